@@ -1,0 +1,163 @@
+"""`attention`: the drop-in for `jax.nn.dot_product_attention`.
+
+This layer checks the arguments (raising before anything is traced into a kernel), normalizes them
+(rank-3 inputs, default scale, window as a pair, default lengths), asks `dispatch` for an
+implementation, and gives fully masked and padded rows jax.nn's values.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_attn import dispatch
+from pallas_attn import mask as mask_lib
+from pallas_attn import numerics
+
+Implementation = Literal["mosaic_gpu", "blocked_jax", "reference"]
+
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+def _shape_of(name: str, x) -> tuple[int, ...]:
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+  return tuple(x.shape)
+
+
+def _check_broadcast_4d(name: str, x, full_shape: tuple[int, int, int, int],
+                        heads_q: int, heads_kv: int):
+  """bias/mask must be 4-D and broadcast to [batch, heads_q, q_len, kv_len] (jax.nn: head axis 1
+  or heads_q)."""
+  shape = _shape_of(name, x)
+  if len(shape) != 4:
+    raise ValueError(f"{name} must be 4-D, broadcastable to [batch, heads, q_len, kv_len] = "
+                     f"{full_shape}; got shape {shape}")
+  for axis, (got, want) in enumerate(zip(shape, full_shape)):
+    if got not in (1, want):
+      raise ValueError(f"{name} shape {shape} does not broadcast to [batch, heads, q_len, kv_len]"
+                       f" = {full_shape} (axis {axis}: {got} vs {want})")
+
+
+def _check_lengths(name: str, lengths, batch: int):
+  if lengths is None:
+    return None
+  lengths = jnp.asarray(lengths)
+  if lengths.shape != (batch,):
+    raise ValueError(f"{name} must have shape (batch,) = ({batch},), got {lengths.shape}")
+  if lengths.dtype != jnp.int32:
+    raise TypeError(f"{name} must be int32 (as in jax.nn), got {lengths.dtype}")
+  return lengths
+
+
+def attention(query: jax.Array, key: jax.Array, value: jax.Array,
+              bias: jax.Array | None = None, mask: jax.Array | None = None, *,
+              scale: float | None = None, is_causal: bool = False,
+              query_seq_lengths: jax.Array | None = None,
+              key_value_seq_lengths: jax.Array | None = None,
+              local_window_size: int | tuple[int, int] | None = None,
+              implementation: Implementation | None = None,
+              return_residual: bool = False,
+              interpret: bool = False):
+  """Exact attention `softmax(q.k^T * scale + bias, masked) v`, blocked so that no
+  [q_len, kv_len] array reaches device memory (except on the `"reference"` path).
+
+  Same signature and semantics as `jax.nn.dot_product_attention` (jax 0.11.2), plus `interpret`.
+
+  Args:
+    query: [batch, q_len, heads_q, head_dim] (or rank 3 without batch).
+    key, value: [batch, kv_len, heads_kv, head_dim]; heads_q % heads_kv == 0 (GQA/MQA).
+    bias: optional, 4-D, broadcastable to [batch, heads_q, q_len, kv_len]; added after scaling.
+      Served by the `"reference"` implementation for now (O(N^2) memory).
+    mask: optional boolean, 4-D, broadcastable like bias; True = attend. Same note as bias.
+    scale: defaults to 1/sqrt(head_dim).
+    is_causal: query i sees key j iff j <= i (top-left aligned, as jax.nn).
+    query_seq_lengths: int32 [batch]; rows at or past it are zeroed (and get no gradient).
+    key_value_seq_lengths: int32 [batch]; keys at or past it are ignored.
+    local_window_size: int or (left, right); query i sees keys i-left..i+right.
+    implementation: "mosaic_gpu" (Hopper Pallas kernels), "blocked_jax" (portable pure-JAX
+      FlashAttention), "reference" (materialized), or None for the fastest that supports the call.
+    return_residual: also return the log-sum-exp, [batch, q_len, heads_q], kept in float32
+      (jax.nn casts it to the input dtype).
+    interpret: run the Mosaic GPU kernels in the Pallas Mosaic GPU interpreter (CPU).
+
+  Returns:
+    out [batch, q_len, heads_q, head_dim] in the input dtype; with return_residual,
+    (out, lse).
+  """
+  q_shape = _shape_of("query", query)
+  k_shape = _shape_of("key", key)
+  v_shape = _shape_of("value", value)
+  if len(q_shape) not in (3, 4):
+    raise ValueError(f"query must be [batch, q_len, heads, head_dim] (or rank 3 without batch); "
+                     f"got shape {q_shape}")
+  if len(k_shape) != len(q_shape) or len(v_shape) != len(q_shape):
+    raise ValueError(f"query, key and value must have the same rank; got query {q_shape}, "
+                     f"key {k_shape}, value {v_shape}")
+  unbatched = len(q_shape) == 3
+  if unbatched:
+    query, key, value = query[None], key[None], value[None]
+    if bias is not None:
+      bias = jnp.asarray(bias)[None] if jnp.ndim(bias) == 3 else bias
+    if mask is not None:
+      mask = jnp.asarray(mask)[None] if jnp.ndim(mask) == 3 else mask
+    if query_seq_lengths is not None or key_value_seq_lengths is not None:
+      raise ValueError("query_seq_lengths/key_value_seq_lengths need batched (rank-4) inputs")
+
+  batch, q_len, heads_q, head_dim = query.shape
+  if key.shape[0] != batch or value.shape[0] != batch:
+    raise ValueError(f"batch mismatch: query {q_shape}, key {k_shape}, value {v_shape}")
+  if key.shape != value.shape:
+    raise ValueError(f"key and value must have the same shape; got key {k_shape}, "
+                     f"value {v_shape}")
+  kv_len, heads_kv, kv_head_dim = key.shape[1:]
+  if kv_head_dim != head_dim:
+    raise ValueError(f"key head_dim {kv_head_dim} != query head_dim {head_dim} "
+                     f"(query {q_shape}, key {k_shape})")
+  if heads_q % heads_kv:
+    raise ValueError(f"query heads ({heads_q}) must be a multiple of key/value heads "
+                     f"({heads_kv}) for GQA/MQA; query {q_shape}, key {k_shape}")
+  dtype = jnp.dtype(query.dtype)
+  if dtype not in map(jnp.dtype, _FLOAT_DTYPES):
+    raise TypeError(f"query dtype must be one of float16, bfloat16, float32, float64; "
+                    f"got {dtype}")
+  if key.dtype != dtype or value.dtype != dtype:
+    raise TypeError(f"query, key and value must share a dtype; got query {dtype}, "
+                    f"key {key.dtype}, value {value.dtype}")
+  full_shape = (batch, heads_q, q_len, kv_len)
+  if bias is not None:
+    _check_broadcast_4d("bias", bias, full_shape, heads_q, heads_kv)
+  if mask is not None:
+    _check_broadcast_4d("mask", mask, full_shape, heads_q, heads_kv)
+    if jnp.dtype(mask.dtype) != jnp.dtype(bool):
+      raise TypeError(f"mask must be boolean (use bias for additive masks); got {mask.dtype}")
+  q_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, batch)
+  kv_lengths = _check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
+  if isinstance(local_window_size, (int, np.integer)):
+    local_window_size = (int(local_window_size), int(local_window_size))
+  if local_window_size is not None:
+    if len(local_window_size) != 2:
+      raise ValueError(f"local_window_size must be an int or (left, right); "
+                       f"got {local_window_size}")
+    local_window_size = tuple(int(w) for w in local_window_size)
+  spec = mask_lib.MaskSpec(is_causal=bool(is_causal), local_window=local_window_size)
+  if scale is None:
+    scale = 1.0 / math.sqrt(head_dim)
+
+  call = dispatch.AttentionCall(
+      batch=batch, q_len=q_len, kv_len=kv_len, heads_q=heads_q, heads_kv=heads_kv,
+      head_dim=head_dim, dtype=dtype, has_bias=bias is not None, has_mask=mask is not None,
+      interpret=interpret)
+  impl = dispatch.choose(call, implementation)
+  out, lse = impl(query, key, value, bias, mask, scale=float(scale), spec=spec,
+                  q_lengths=q_lengths, kv_lengths=kv_lengths, interpret=interpret)
+  out, lse = numerics.finalize_empty_rows(out, lse, value, q_lengths)
+  if unbatched:
+    out, lse = out[0], lse[0]
+  if return_residual:
+    return out, jax.lax.stop_gradient(jnp.swapaxes(lse, -1, -2))
+  return out

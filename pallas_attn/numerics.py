@@ -1,0 +1,71 @@
+"""The one numerics convention every implementation shares.
+
+- Scores are float32 `s = scale * q.k`. The log-sum-exp `lse` is natural-log, float32, over the
+  scores of the keys a query sees.
+- Inside the blocked paths a hidden score is -inf and the running max starts at `M_INIT`, a finite
+  very negative number, so `exp(m_old - m_new)` never meets inf - inf.
+- A row that sees no key at all (fully masked, or at/after its query length) leaves the blocked
+  paths with `lse = +inf` ("empty row") and a zero output; with that lse every recomputed
+  probability `exp(s - lse)` is 0, so the backward pass gives it no gradient.
+- `finalize_empty_rows` then gives such rows jax.nn's values: jax.nn replaces hidden scores by
+  `MASK_VALUE` (finite), so a fully masked row's softmax is uniform over all keys: the output is
+  the mean of every value row and the lse is `MASK_VALUE` (+ log(kv_len), lost to rounding).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+# jax.nn's large negative for float32 scores: -0.7 * finfo(float32).max.
+MASK_VALUE = float(-0.7 * np.finfo(np.float32).max)
+# Initial running max of the online softmax: finite, below every real score.
+M_INIT = float(np.finfo(np.float32).min)
+EMPTY_LSE = float("inf")
+
+
+def online_softmax_step(m_prev, l_prev, acc_prev, s, v_block, probs_dtype):
+  """One step of the FlashAttention recurrence over a [rows, block] tile of scores.
+
+  m: running max [rows]; l: running sum of exp(s - m) [rows]; acc: unnormalized output
+  [rows, head_dim]. When the max grows, the old statistics are rescaled by exp(m_prev - m_new).
+  Probabilities are cast to `probs_dtype` before the second matmul, as the kernels and jax.nn do.
+  """
+  m_new = jnp.maximum(m_prev, s.max(axis=-1))
+  alpha = jnp.exp(m_prev - m_new)
+  p = jnp.exp(s - m_new[..., None])
+  l_new = l_prev * alpha + p.sum(axis=-1)
+  pv = jnp.einsum("...qk,...kd->...qd", p.astype(probs_dtype), v_block,
+                  preferred_element_type=jnp.float32)
+  acc_new = acc_prev * alpha[..., None] + pv
+  return m_new, l_new, acc_new
+
+
+def finish(m, l, acc, out_dtype):
+  """Normalize the accumulator and form the lse; rows with l == 0 are empty (lse = +inf)."""
+  empty = l == 0.0
+  out = acc / jnp.where(empty, 1.0, l)[..., None]
+  lse = jnp.where(empty, EMPTY_LSE, m + jnp.log(jnp.where(empty, 1.0, l)))
+  return out.astype(out_dtype), lse
+
+
+def finalize_empty_rows(out: jax.Array, lse: jax.Array, value: jax.Array,
+                        q_lengths: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """Give rows that saw no key jax.nn's values, and zero rows at or past `q_lengths`.
+
+  out: [batch, q_len, heads_q, head_dim]; lse: [batch, heads_q, q_len] (+inf marks empty rows);
+  value: [batch, kv_len, heads_kv, head_dim]. Differentiable: the mean of `value` carries the
+  gradient jax.nn gives a fully masked row (dv = do / kv_len on every key, no dq, no dk).
+  """
+  batch, q_len, heads_q, _ = out.shape
+  heads_kv = value.shape[2]
+  empty = jax.lax.stop_gradient(lse == EMPTY_LSE)  # [batch, heads_q, q_len]
+  mean_v = value.astype(jnp.float32).mean(axis=1)  # [batch, heads_kv, head_dim]
+  mean_v = jnp.repeat(mean_v, heads_q // heads_kv, axis=1)[:, None].astype(out.dtype)
+  out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], mean_v, out)
+  lse = jnp.where(empty, MASK_VALUE, lse)
+  if q_lengths is not None:
+    row_valid = jnp.arange(q_len)[None, :] < q_lengths[:, None]
+    out = out * row_valid[:, :, None, None].astype(out.dtype)
+  return out, lse
