@@ -73,9 +73,48 @@ def visible(spec: MaskSpec, q_pos: jax.Array, kv_pos: jax.Array,
     ok = both(ok, kv_pos < kv_length)
   if q_length is not None:
     ok = both(ok, q_pos < q_length)
+  shape = jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(kv_pos), jnp.shape(ok) if ok is not None else ())
   if ok is None:
-    ok = jnp.ones(jnp.broadcast_shapes(jnp.shape(q_pos), jnp.shape(kv_pos)), bool)
-  return ok
+    return jnp.ones(shape, bool)
+  # Inside kernels the positions are full tiles already, so no broadcast is emitted there.
+  return ok if jnp.shape(ok) == shape else jnp.broadcast_to(ok, shape)
+
+
+def _cdiv(x, m):
+  return -((-x) // m)
+
+
+def _block_range(own_start, own_block: int, other_block: int, num_other_blocks, reach_back,
+                 reach_ahead, other_limit):
+  """Blocks of the other axis that may hold a position visible from own positions
+  [own_start, own_start + own_block), where other position o is visible from own position w iff
+  w - reach_back <= o <= w + reach_ahead (None: unbounded) and o < other_limit."""
+  lo, hi = 0, num_other_blocks
+  if reach_back is not None:
+    lo = jnp.maximum(own_start - reach_back, 0) // other_block
+  if reach_ahead is not None:
+    last = own_start + own_block - 1 + reach_ahead
+    hi = jnp.minimum(hi, last // other_block + 1)
+  if other_limit is not None:
+    hi = jnp.minimum(hi, _cdiv(other_limit, other_block))
+  return lo, jnp.maximum(hi, lo)
+
+
+def _full_range(own_start, own_block: int, other_block: int, lo, hi, reach_back, reach_ahead,
+                other_limit):
+  """The sub-range [full_lo, full_hi) of [lo, hi) whose tiles need no element mask: every
+  position in them is visible from every own position. Masked tiles sit only at the two ends."""
+  full_lo, full_hi = lo, hi
+  if reach_back is not None:
+    # o >= w - reach_back for the largest w = own_start + own_block - 1.
+    full_lo = jnp.maximum(full_lo, _cdiv(own_start + own_block - 1 - reach_back, other_block))
+  if reach_ahead is not None:
+    # o + other_block - 1 <= w + reach_ahead for the smallest w = own_start.
+    full_hi = jnp.minimum(full_hi, (own_start + reach_ahead + 1) // other_block)
+  if other_limit is not None:
+    full_hi = jnp.minimum(full_hi, other_limit // other_block)
+  full_lo = jnp.minimum(full_lo, hi)
+  return full_lo, jnp.maximum(full_hi, full_lo)
 
 
 def kv_block_range(spec: MaskSpec, q_start, block_q: int, block_kv: int, num_kv_blocks,
@@ -84,50 +123,26 @@ def kv_block_range(spec: MaskSpec, q_start, block_q: int, block_kv: int, num_kv_
   [q_start, q_start + block_q). Blocks outside it are skipped entirely (never loaded, never
   multiplied), forward and backward. Works on Python ints and traced int32 scalars alike.
   """
-  lo = 0
-  hi = num_kv_blocks
-  if spec.left is not None:
-    lo = jnp.maximum(q_start - spec.left, 0) // block_kv
-  if spec.right is not None:
-    last_key = q_start + block_q - 1 + spec.right
-    hi = jnp.minimum(hi, jnp.maximum(last_key // block_kv + 1, 0))
-  if kv_length is not None:
-    hi = jnp.minimum(hi, (kv_length + block_kv - 1) // block_kv)
-  hi = jnp.maximum(hi, lo)
-  return lo, hi
+  return _block_range(q_start, block_q, block_kv, num_kv_blocks, spec.left, spec.right,
+                      kv_length)
+
+
+def kv_full_range(spec: MaskSpec, q_start, block_q: int, block_kv: int, lo, hi,
+                  kv_length=None):
+  """Within [lo, hi) from `kv_block_range`, the key blocks that need no element mask."""
+  return _full_range(q_start, block_q, block_kv, lo, hi, spec.left, spec.right, kv_length)
 
 
 def q_block_range(spec: MaskSpec, kv_start, block_kv: int, block_q: int, num_q_blocks,
                   q_length=None):
   """The half-open range [lo, hi) of query blocks that may see a key in
-  [kv_start, kv_start + block_kv): the transpose of `kv_block_range`, used by the dK/dV pass."""
-  lo = 0
-  hi = num_q_blocks
-  if spec.right is not None:
-    # query i sees key j only if i >= j - right.
-    lo = jnp.maximum(kv_start - spec.right, 0) // block_q
-  if spec.left is not None:
-    # query i sees key j only if i <= j + left.
-    last_query = kv_start + block_kv - 1 + spec.left
-    hi = jnp.minimum(hi, last_query // block_q + 1)
-  if q_length is not None:
-    hi = jnp.minimum(hi, (q_length + block_q - 1) // block_q)
-  hi = jnp.maximum(hi, lo)
-  return lo, hi
+  [kv_start, kv_start + block_kv): the transpose of `kv_block_range`, used by the dK/dV pass.
+  (Query i sees key j iff j - right <= i <= j + left.)"""
+  return _block_range(kv_start, block_kv, block_q, num_q_blocks, spec.right, spec.left,
+                      q_length)
 
 
-def block_needs_mask(spec: MaskSpec, q_start, block_q: int, kv_start, block_kv: int,
-                     kv_length=None):
-  """True when some (query, key) pair in the tile is hidden by position or kv length, so the
-  kernel must apply the element mask; interior tiles skip that work. (Query lengths are handled
-  on the log-sum-exp, not on scores.)"""
-  need = False
-  q_end = q_start + block_q - 1
-  kv_end = kv_start + block_kv - 1
-  if spec.right is not None:
-    need = need | (kv_end > q_start + spec.right)
-  if spec.left is not None:
-    need = need | (kv_start < q_end - spec.left)
-  if kv_length is not None:
-    need = need | (kv_end >= kv_length)
-  return need
+def q_full_range(spec: MaskSpec, kv_start, block_kv: int, block_q: int, lo, hi):
+  """Within [lo, hi) from `q_block_range`, the query blocks whose tile with this key block needs
+  no positional mask (key lengths are the caller's business: they concern the key tile itself)."""
+  return _full_range(kv_start, block_kv, block_q, lo, hi, spec.right, spec.left, None)

@@ -1,0 +1,316 @@
+"""Backward FlashAttention kernels for Hopper in Pallas Mosaic GPU.
+
+Both kernels recompute the probabilities of each tile from q, k and the saved lse,
+P = exp2(S * scale * log2(e) - lse * log2(e)), so no [q_len, kv_len] array is ever stored.
+With delta = rowsum(dO * O) precomputed, dS = P * (dP - delta) where dP = dO V^T.
+
+- `dq`: one CTA per 2 * block_q query rows of a (batch, head); a producer warpgroup streams K/V
+  tiles of the visible key range; each compute warpgroup accumulates dQ = scale * dS K.
+- `dkv`: one CTA per 2 * block_kv key rows of a (batch, kv head); the producer streams q, dO,
+  lse and delta tiles for every query head of the GQA group and every visible query block; each
+  compute warpgroup accumulates dV = P^T dO and dK = scale * dS^T Q for its key rows, summed over
+  the group in registers (no per-query-head copy of dK/dV).
+Block skipping and end-of-range masking follow `mask`, exactly as in the forward kernel. Rows
+whose lse is +inf (no visible key, or past their query length) get P = 0 and no gradient.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_attn import mask as mask_lib
+from pallas_attn.mosaic_gpu import common
+from pallas_attn.mosaic_gpu import config as config_lib
+
+_WGS = config_lib.COMPUTE_WARPGROUPS
+
+
+def _masked_loops(lo, full_lo, full_hi, hi, step, carry):
+  """Run `step` over [lo, hi): masked tiles at both ends, unmasked ones in between."""
+  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
+# ---------------------------------------------------------------------------------------------
+# dQ
+
+
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, dq_ref,
+               q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_staging,
+               q_full, k_full, v_full, k_free, v_free, *,
+               spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
+               num_kv_blocks: int, groups: int):
+  block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+  head_dim = q_ref.shape[-1]
+  dtype = q_ref.dtype
+  batch = lax.axis_index("batch")
+  head = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  kv_head = lax.div(head, groups)
+  kv_length = kv_len_ref[batch]
+
+  cta_start = lax.axis_index("q_tiles") * (_WGS * block_q)
+  cta_lo, cta_hi = mask_lib.kv_block_range(spec, cta_start, _WGS * block_q, block_kv,
+                                           num_kv_blocks, kv_length)
+
+  @pl.when(wg == _WGS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def issue(i, slot):
+      rows = (batch, pl.ds((cta_lo + i) * block_kv, block_kv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_full.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
+
+    def wait_free(slot):
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+
+    common.produce_ring(cta_hi - cta_lo, stages, issue, wait_free)
+
+  @pl.when(wg < _WGS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    q_start = cta_start + wg * block_q
+    rows = (batch, pl.ds(q_start, block_q), head)
+    stats = (batch, head, pl.ds(q_start, block_q))
+    plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[wg], q_full.at[wg * 4 + 0])
+    plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[wg], q_full.at[wg * 4 + 1])
+    plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], q_full.at[wg * 4 + 2])
+    plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], q_full.at[wg * 4 + 3])
+
+    lo, hi = mask_lib.kv_block_range(spec, q_start, block_q, block_kv, num_kv_blocks, kv_length)
+    lo = jnp.clip(lo, cta_lo, cta_hi)
+    hi = jnp.clip(hi, lo, cta_hi)
+    full_lo, full_hi = mask_lib.kv_full_range(spec, q_start, block_q, block_kv, lo, hi,
+                                              kv_length)
+    slot_of = lambda j: lax.rem(j - cta_lo, stages)
+    for i in range(4):
+      plgpu.barrier_wait(q_full.at[wg * 4 + i])
+    lse2 = plgpu.load(lse_smem.at[wg], (), layout=common.WGMMA_ROW) * common.LOG2E
+    delta = plgpu.load(delta_smem.at[wg], (), layout=common.WGMMA_ROW)
+
+    def release(j, carry):
+      slot = slot_of(j)
+      plgpu.barrier_wait(k_full.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_wait(v_full.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      return carry
+
+    def step(j, dq, *, masked: bool):
+      slot = slot_of(j)
+      plgpu.barrier_wait(k_full.at[slot])
+      s = common.matmul(q_smem.at[wg], k_smem.at[slot].T, (block_q, block_kv))
+      s = s * (scale * common.LOG2E)
+      if masked:
+        keep = common.tile_mask(spec, block_q, block_kv, q_start, j * block_kv, kv_length)
+        s = jnp.where(keep, s, -jnp.inf)
+      p = jnp.exp2(s - common.broadcast_rows(lse2, s.shape))  # [block_q, block_kv]
+      plgpu.barrier_wait(v_full.at[slot])
+      dp = common.matmul(do_smem.at[wg], v_smem.at[slot].T, (block_q, block_kv))
+      plgpu.barrier_arrive(v_free.at[slot])
+      ds = p * (dp - common.broadcast_rows(delta, dp.shape))
+      dq = common.matmul_acc(dq, ds.astype(dtype), k_smem.at[slot],
+                             ds_staging[0].at[wg] if ds_staging else None)
+      plgpu.barrier_arrive(k_free.at[slot])
+      return dq
+
+    dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), common.WGMMA)
+    lax.fori_loop(cta_lo, lo, release, None)
+    dq = _masked_loops(lo, full_lo, full_hi, hi, step, dq)
+    lax.fori_loop(hi, cta_hi, release, None)
+
+    q_smem.at[wg][...] = (dq * scale).astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem.at[wg], dq_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
+       cfg: config_lib.KernelConfig, interpret: bool):
+  """dQ [B, T, Hq, D] in q.dtype. Shapes as in `fwd.forward`; lse, delta [B, Hq, T] float32."""
+  batch, q_len, heads_q, head_dim = q.shape
+  kv_len, heads_kv = k.shape[1], k.shape[2]
+  kernel = functools.partial(_dq_kernel, spec=spec, scale=scale, cfg=cfg,
+                             num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv)
+  tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=common.TILE_TRANSFORMS)
+  return plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      scratch_types=[
+          tile(_WGS, cfg.block_q, head_dim),  # q, then dq out
+          tile(_WGS, cfg.block_q, head_dim),  # dO
+          plgpu.SMEM((_WGS, cfg.block_q), jnp.float32),  # lse
+          plgpu.SMEM((_WGS, cfg.block_q), jnp.float32),  # delta
+          tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
+          tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
+          common.staging_scratch(interpret, (_WGS, cfg.block_q, cfg.block_kv), q.dtype),
+          plgpu.Barrier(num_barriers=_WGS * 4),  # q, dO, lse, delta loaded (per warpgroup)
+          plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled
+          plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled
+          plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # k slot free
+          plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # v slot free
+      ],
+      grid=(heads_q, q_len // (_WGS * cfg.block_q), batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=_WGS + 1,
+      thread_name="wg",
+      compiler_params=common.compiler_params(),
+      interpret=common.interpret_params(interpret),
+  )(q, k, v, d_out, lse, delta, kv_lengths)
+
+
+# ---------------------------------------------------------------------------------------------
+# dK / dV
+
+
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
+                dk_ref, dv_ref,
+                k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, staging,
+                kv_full, q_full, do_full, lse_full, delta_full, slot_free, *,
+                spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
+                num_q_blocks: int, groups: int):
+  block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+  head_dim = q_ref.shape[-1]
+  dtype = q_ref.dtype
+  batch = lax.axis_index("batch")
+  kv_head = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  q_length = q_len_ref[batch]
+  kv_length = kv_len_ref[batch]
+
+  cta_start = lax.axis_index("kv_tiles") * (_WGS * block_kv)
+  cta_lo, cta_hi = mask_lib.q_block_range(spec, cta_start, _WGS * block_kv, block_q,
+                                          num_q_blocks, q_length)
+  cta_hi = jnp.where(cta_start >= kv_length, cta_lo, cta_hi)  # every key is padding
+  per_head = cta_hi - cta_lo  # steps per query head of the group
+
+  @pl.when(wg == _WGS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def issue(i, slot):
+      head = kv_head * groups + lax.div(i, per_head)
+      q_start = (cta_lo + lax.rem(i, per_head)) * block_q
+      rows = (batch, pl.ds(q_start, block_q), head)
+      stats = (batch, head, pl.ds(q_start, block_q))
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_full.at[slot])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_full.at[slot])
+      plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], lse_full.at[slot])
+      plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_full.at[slot])
+
+    common.produce_ring(groups * per_head, stages, issue,
+                        lambda slot: plgpu.barrier_wait(slot_free.at[slot]))
+
+  @pl.when(wg < _WGS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    kv_start = cta_start + wg * block_kv
+    rows = (batch, pl.ds(kv_start, block_kv), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_full.at[wg * 2 + 0])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_full.at[wg * 2 + 1])
+
+    lo, hi = mask_lib.q_block_range(spec, kv_start, block_kv, block_q, num_q_blocks, q_length)
+    hi = jnp.where(kv_start >= kv_length, lo, hi)
+    lo = jnp.clip(lo, cta_lo, cta_hi)
+    hi = jnp.clip(hi, lo, cta_hi)
+    full_lo, full_hi = mask_lib.q_full_range(spec, kv_start, block_kv, block_q, lo, hi)
+    # A key tile that straddles the key length needs the mask on every query block.
+    straddles = kv_start + block_kv > kv_length
+    full_lo = jnp.where(straddles, hi, full_lo)
+    full_hi = jnp.where(straddles, hi, full_hi)
+    plgpu.barrier_wait(kv_full.at[wg * 2 + 0])
+    plgpu.barrier_wait(kv_full.at[wg * 2 + 1])
+
+    def wait_filled(slot):
+      plgpu.barrier_wait(q_full.at[slot])
+      plgpu.barrier_wait(do_full.at[slot])
+      plgpu.barrier_wait(lse_full.at[slot])
+      plgpu.barrier_wait(delta_full.at[slot])
+
+    def one_head(g, carry):
+      step_base = g * per_head - cta_lo  # ring step of query block qi is step_base + qi
+      slot_of = lambda qi: lax.rem(step_base + qi, stages)
+
+      def release(qi, c):
+        slot = slot_of(qi)
+        wait_filled(slot)
+        plgpu.barrier_arrive(slot_free.at[slot])
+        return c
+
+      def step(qi, acc, *, masked: bool):
+        dk, dv = acc
+        slot = slot_of(qi)
+        wait_filled(slot)
+        st = common.matmul(k_smem.at[wg], q_smem.at[slot].T, (block_kv, block_q))  # S^T
+        st = st * (scale * common.LOG2E)
+        if masked:
+          keep = common.tile_mask(spec, block_kv, block_q, kv_start, qi * block_q, kv_length,
+                                  transposed=True)
+          st = jnp.where(keep, st, -jnp.inf)
+        lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
+        pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
+        stage = staging[0].at[wg] if staging else None
+        dv = common.matmul_acc(dv, pt.astype(dtype), do_smem.at[slot], stage)
+        dpt = common.matmul(v_smem.at[wg], do_smem.at[slot].T, (block_kv, block_q))
+        delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
+        dst = pt * (dpt - common.broadcast_cols(delta, dpt.shape))
+        dk = common.matmul_acc(dk, dst.astype(dtype), q_smem.at[slot], stage)
+        plgpu.barrier_arrive(slot_free.at[slot])
+        return dk, dv
+
+      lax.fori_loop(cta_lo, lo, release, None)
+      carry = _masked_loops(lo, full_lo, full_hi, hi, step, carry)
+      lax.fori_loop(hi, cta_hi, release, None)
+      return carry
+
+    zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), common.WGMMA)
+    dk, dv = lax.fori_loop(0, groups, one_head, (zeros, zeros))
+
+    k_smem.at[wg][...] = (dk * scale).astype(dtype)
+    v_smem.at[wg][...] = dv.astype(dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[rows])
+    plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[rows])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
+        spec: mask_lib.MaskSpec, cfg: config_lib.KernelConfig, interpret: bool):
+  """(dK, dV) [B, S, Hkv, D] in k.dtype, summed over each kv head's query-head group."""
+  batch, q_len, heads_q, head_dim = q.shape
+  kv_len, heads_kv = k.shape[1], k.shape[2]
+  kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
+                             num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv)
+  tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=common.TILE_TRANSFORMS)
+  ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
+  return plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      scratch_types=[
+          tile(_WGS, cfg.block_kv, head_dim),  # k, then dk out
+          tile(_WGS, cfg.block_kv, head_dim),  # v, then dv out
+          tile(cfg.stages, cfg.block_q, head_dim),  # q ring
+          tile(cfg.stages, cfg.block_q, head_dim),  # dO ring
+          plgpu.SMEM((cfg.stages, cfg.block_q), jnp.float32),  # lse ring
+          plgpu.SMEM((cfg.stages, cfg.block_q), jnp.float32),  # delta ring
+          common.staging_scratch(interpret, (_WGS, cfg.block_kv, cfg.block_q), q.dtype),
+          plgpu.Barrier(num_barriers=_WGS * 2),  # k, v loaded (per warpgroup)
+          ring(), ring(), ring(), ring(),  # q, dO, lse, delta slot filled
+          plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # slot free
+      ],
+      grid=(heads_kv, kv_len // (_WGS * cfg.block_kv), batch),
+      grid_names=("heads", "kv_tiles", "batch"),
+      num_threads=_WGS + 1,
+      thread_name="wg",
+      compiler_params=common.compiler_params(),
+      interpret=common.interpret_params(interpret),
+  )(q, k, v, d_out, lse, delta, q_lengths, kv_lengths)

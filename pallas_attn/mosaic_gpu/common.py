@@ -1,0 +1,121 @@
+"""Pieces every Mosaic GPU kernel here uses: shared-memory layouts, the in-kernel mask, the
+producer side of a TMA ring, and the interpret switch."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_attn import mask as mask_lib
+
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+
+# wgmma operands in shared memory: 8x64-element tiles with a 128-byte swizzle (64 bf16/f16
+# columns), so head_dim 64, 128 and 256 are whole numbers of tiles.
+TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+
+WGMMA = plgpu.Layout.WGMMA
+WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [rows, cols] WGMMA tile
+WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+def interpret_params(interpret: bool):
+  """`interpret=True` runs the kernel in the Mosaic GPU interpreter (CPU), checking for races."""
+  return plgpu.InterpretGPUParams(detect_races=True) if interpret else None
+
+
+def compiler_params():
+  return plgpu.CompilerParams(approx_math=True)
+
+
+def matmul(lhs, rhs, shape) -> jax.Array:
+  """lhs @ rhs into a fresh float32 [M, N] wgmma accumulator; lhs is a shared-memory ref or a
+  register array, rhs a shared-memory ref (possibly transposed)."""
+
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, lhs, rhs)
+    plgpu.wgmma_wait(0)
+    return acc_ref[...]
+
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def matmul_acc(acc, lhs, rhs, staging=None) -> jax.Array:
+  """acc + lhs @ rhs with lhs a register array.
+
+  Compiled (`staging` None), the wgmma reads lhs from registers and accumulates in place
+  (`pl.run_state` over the accumulator). The interpreter (jax 0.11.2) runs neither register
+  operands nor `run_state`, so there lhs is staged through the shared-memory ref `staging` and the
+  product, made in a fresh accumulator, is added in registers: the same arithmetic.
+  """
+  if staging is not None:
+    staging[...] = lhs
+    plgpu.commit_smem()
+    return acc + matmul(staging, rhs, acc.shape)
+
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, lhs, rhs)
+
+  return pl.run_state(body)(plgpu.ACC.init(acc))
+
+
+def staging_scratch(interpret: bool, shape, dtype):
+  """The shared-memory staging buffer `matmul_acc` needs in the interpreter (none compiled)."""
+  return (plgpu.SMEM(shape, dtype, transforms=TILE_TRANSFORMS),) if interpret else ()
+
+
+def tile_mask(spec: mask_lib.MaskSpec, rows: int, cols: int, row_start, col_start, kv_length,
+              transposed: bool = False):
+  """Visibility of a [rows, cols] score tile in the WGMMA register layout.
+
+  Forward/dQ tiles are [queries, keys]; dK/dV tiles are transposed ([keys, queries]). Queries past
+  their length need no mask here: their lse is +inf, so their probabilities are 0 anyway.
+  """
+  row_ids = row_start + plgpu.broadcasted_iota(jnp.int32, (rows, cols), 0, layout=WGMMA)
+  col_ids = col_start + plgpu.broadcasted_iota(jnp.int32, (rows, cols), 1, layout=WGMMA)
+  q_pos, kv_pos = (col_ids, row_ids) if transposed else (row_ids, col_ids)
+  return mask_lib.visible(spec, q_pos, kv_pos, None, kv_length)
+
+
+def broadcast_rows(x, shape):
+  """A per-row vector [rows] broadcast over a [rows, cols] tile."""
+  return lax.broadcast_in_dim(x, shape, [0])
+
+
+def broadcast_cols(x, shape):
+  """A per-column vector [cols] broadcast over a [rows, cols] tile."""
+  return lax.broadcast_in_dim(x, shape, [1])
+
+
+def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free):
+  """The producer warpgroup's loop over a ring of `stages` shared-memory slots.
+
+  Step i (0 <= i < num_steps) goes to slot i % stages; before reusing a slot the producer waits
+  until the consumers released it. Afterwards it waits for the consumers' last releases, so every
+  barrier phase is observed by every waiter (the interpreter requires it, and it keeps the CTA
+  alive until the last reads of shared memory are done).
+  """
+
+  def step(i, carry):
+    slot = lax.rem(i, stages)
+
+    @pl.when(i >= stages)
+    def _():
+      wait_slot_free(slot)
+
+    issue_copies(i, slot)
+    return carry
+
+  lax.fori_loop(0, num_steps, step, None)
+
+  def drain(i, carry):
+    wait_slot_free(lax.rem(i, stages))
+    return carry
+
+  lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)

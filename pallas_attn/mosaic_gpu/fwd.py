@@ -1,0 +1,179 @@
+"""Forward FlashAttention kernel for Hopper in Pallas Mosaic GPU.
+
+One CTA owns 2 * block_q query rows of one (batch, head): two compute warpgroups take block_q rows
+each, a third (the producer) streams K and V tiles through a `stages`-deep shared-memory ring with
+TMA copies that complete on barriers. Each compute warpgroup keeps the online-softmax state in
+registers (running max m, running sum l, unnormalized accumulator), multiplies with wgmma, and
+works in base 2 (scale * log2(e) folded into one multiply, exp2 on the SFU).
+
+Only key blocks that can hold a visible key are loaded (`mask.kv_block_range`: causal, window and
+key-length skipping); element masks are applied only to the tiles at the two ends of that range
+(`mask.kv_full_range`). The producer loads the union of both warpgroups' ranges; a warpgroup
+releases the slots outside its own range without computing on them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_attn import mask as mask_lib
+from pallas_attn import numerics
+from pallas_attn.mosaic_gpu import common
+from pallas_attn.mosaic_gpu import config as config_lib
+
+
+def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
+            qo_smem, k_smem, v_smem, lse_smem, p_staging, q_full, k_full, v_full, k_free, v_free, *,
+            spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
+            num_kv_blocks: int, groups: int):
+  block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+  head_dim = q_ref.shape[-1]
+  dtype = q_ref.dtype
+  batch = lax.axis_index("batch")
+  head = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  kv_head = lax.div(head, groups)
+  q_length = q_len_ref[batch]
+  kv_length = kv_len_ref[batch]
+
+  # The key blocks this CTA needs: the union of its two warpgroups' ranges.
+  cta_start = lax.axis_index("q_tiles") * (config_lib.COMPUTE_WARPGROUPS * block_q)
+  cta_lo, cta_hi = mask_lib.kv_block_range(
+      spec, cta_start, config_lib.COMPUTE_WARPGROUPS * block_q, block_kv, num_kv_blocks,
+      kv_length)
+  cta_hi = jnp.where(cta_start >= q_length, cta_lo, cta_hi)  # every row is padding
+
+  @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def issue(i, slot):
+      rows = (batch, pl.ds((cta_lo + i) * block_kv, block_kv), kv_head)
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_full.at[slot])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
+
+    def wait_free(slot):
+      plgpu.barrier_wait(k_free.at[slot])
+      plgpu.barrier_wait(v_free.at[slot])
+
+    common.produce_ring(cta_hi - cta_lo, stages, issue, wait_free)
+
+  @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    q_start = cta_start + wg * block_q
+    q_smem = qo_smem.at[wg]
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem,
+                            q_full.at[wg])
+
+    lo, hi = mask_lib.kv_block_range(spec, q_start, block_q, block_kv, num_kv_blocks, kv_length)
+    hi = jnp.where(q_start >= q_length, lo, hi)
+    lo = jnp.clip(lo, cta_lo, cta_hi)
+    hi = jnp.clip(hi, lo, cta_hi)
+    full_lo, full_hi = mask_lib.kv_full_range(spec, q_start, block_q, block_kv, lo, hi,
+                                              kv_length)
+    slot_of = lambda j: lax.rem(j - cta_lo, stages)
+
+    def release(j, carry):
+      """A slot another warpgroup needs: observe its fill, then free it."""
+      slot = slot_of(j)
+      plgpu.barrier_wait(k_full.at[slot])
+      plgpu.barrier_arrive(k_free.at[slot])
+      plgpu.barrier_wait(v_full.at[slot])
+      plgpu.barrier_arrive(v_free.at[slot])
+      return carry
+
+    def step(j, carry, *, masked: bool):
+      acc, m_i, l_i = carry
+      slot = slot_of(j)
+      plgpu.barrier_wait(k_full.at[slot])
+
+      s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv))  # [block_q, block_kv]
+      plgpu.barrier_arrive(k_free.at[slot])
+      s = s * (scale * common.LOG2E)
+      if masked:
+        keep = common.tile_mask(spec, block_q, block_kv, q_start, j * block_kv, kv_length)
+        s = jnp.where(keep, s, -jnp.inf)
+      # Online softmax in base 2: rescale the old state by 2^(m_old - m_new).
+      m_new = jnp.maximum(m_i, s.max(axis=1))
+      alpha = jnp.exp2(m_i - m_new)
+      p = jnp.exp2(s - common.broadcast_rows(m_new, s.shape))
+      l_i = l_i * alpha + p.sum(axis=1)
+      acc = acc * common.broadcast_rows(alpha, acc.shape)
+      plgpu.barrier_wait(v_full.at[slot])
+      acc = common.matmul_acc(acc, p.astype(dtype), v_smem.at[slot],
+                              p_staging[0].at[wg] if p_staging else None)
+      plgpu.barrier_arrive(v_free.at[slot])
+      return acc, m_new, l_i
+
+    plgpu.barrier_wait(q_full.at[wg])
+    carry = (
+        plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), common.WGMMA),
+        plgpu.layout_cast(jnp.full((block_q,), numerics.M_INIT, jnp.float32), common.WGMMA_ROW),
+        plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), common.WGMMA_ROW),
+    )
+    lax.fori_loop(cta_lo, lo, release, None)
+    carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+    lax.fori_loop(hi, cta_hi, release, None)
+    acc, m_i, l_i = carry
+
+    rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=common.WGMMA_ROW)
+    no_keys = l_i == 0.0
+    safe_l = jnp.where(no_keys, 1.0, l_i)
+    out = acc * common.broadcast_rows(1.0 / safe_l, acc.shape)
+    # Natural-log lse; +inf marks rows that saw no key (see numerics).
+    lse = jnp.where(no_keys | (rows >= q_length), numerics.EMPTY_LSE,
+                    (m_i + jnp.log2(safe_l)) * common.LN2)
+    q_smem[...] = out.astype(dtype)
+    lse_smem.at[wg][...] = lse
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
+    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
+            cfg: config_lib.KernelConfig, interpret: bool):
+  """q [B, T, Hq, D] with T a multiple of 2 * block_q; k, v [B, S, Hkv, D] with S a multiple of
+  block_kv; lengths int32 [B] (clamped to the unpadded lengths).
+
+  Returns out [B, T, Hq, D] (q.dtype) and lse [B, Hq, T] float32 (+inf on empty rows).
+  """
+  batch, q_len, heads_q, head_dim = q.shape
+  kv_len, heads_kv = k.shape[1], k.shape[2]
+  num_q_tiles = q_len // (config_lib.COMPUTE_WARPGROUPS * cfg.block_q)
+  kernel = functools.partial(_kernel, spec=spec, scale=scale, cfg=cfg,
+                             num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv)
+  wgs = config_lib.COMPUTE_WARPGROUPS
+  tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=common.TILE_TRANSFORMS)
+  return plgpu.kernel(
+      kernel,
+      out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
+                jax.ShapeDtypeStruct((batch, heads_q, q_len), jnp.float32)),
+      scratch_types=[
+          tile(wgs, cfg.block_q, head_dim),  # q in, then o out, per compute warpgroup
+          tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
+          tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
+          plgpu.SMEM((wgs, cfg.block_q), jnp.float32),  # lse out
+          common.staging_scratch(interpret, (wgs, cfg.block_q, cfg.block_kv), q.dtype),
+          plgpu.Barrier(num_barriers=wgs),  # q loaded
+          plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled
+          plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled
+          plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # k slot free
+          plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # v slot free
+      ],
+      grid=(heads_q, num_q_tiles, batch),
+      grid_names=("heads", "q_tiles", "batch"),
+      num_threads=wgs + 1,
+      thread_name="wg",
+      compiler_params=common.compiler_params(),
+      interpret=common.interpret_params(interpret),
+  )(q, k, v, q_lengths, kv_lengths)

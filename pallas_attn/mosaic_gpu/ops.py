@@ -1,0 +1,103 @@
+"""The differentiable Mosaic GPU attention: padding to whole tiles, the forward kernel, and a
+`jax.custom_vjp` whose backward pass runs the dQ and dK/dV kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_attn import blocked_jax
+from pallas_attn import mask as mask_lib
+from pallas_attn.mosaic_gpu import bwd
+from pallas_attn.mosaic_gpu import config as config_lib
+from pallas_attn.mosaic_gpu import fwd
+
+_WGS = config_lib.COMPUTE_WARPGROUPS
+
+
+@dataclasses.dataclass(frozen=True)
+class _Static:
+  """Everything static about one call (a custom_vjp non-differentiable argument)."""
+
+  scale: float
+  spec: mask_lib.MaskSpec
+  interpret: bool
+  fwd_cfg: config_lib.KernelConfig
+  dq_cfg: config_lib.KernelConfig
+  dkv_cfg: config_lib.KernelConfig
+  kernel_backward: bool  # False: head_dim has no backward kernel; use the portable backward
+
+
+def _round_up(x: int, m: int) -> int:
+  return (x + m - 1) // m * m
+
+
+def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
+              interpret: bool = False):
+  """q [B, T, Hq, D], k/v [B, S, Hkv, D] (bf16/f16), lengths int32 [B] or None.
+
+  Returns (out [B, T, Hq, D], lse [B, Hq, T] float32 with +inf on rows that saw no key).
+  """
+  batch, q_len, _, head_dim = q.shape
+  kv_len = k.shape[1]
+  static = _Static(
+      scale=scale, spec=spec, interpret=interpret,
+      fwd_cfg=config_lib.forward_config(head_dim), dq_cfg=config_lib.dq_config(head_dim),
+      dkv_cfg=config_lib.dkv_config(head_dim),
+      kernel_backward=head_dim in config_lib.BACKWARD_HEAD_DIMS)
+  # Pad both sequences to whole tiles of every kernel; padded rows and keys are then hidden by
+  # the length tests (lengths are clamped to the real lengths).
+  q_multiple = math.lcm(_WGS * static.fwd_cfg.block_q, _WGS * static.dq_cfg.block_q,
+                        static.dkv_cfg.block_q)
+  kv_multiple = math.lcm(static.fwd_cfg.block_kv, static.dq_cfg.block_kv,
+                         _WGS * static.dkv_cfg.block_kv)
+  pad_q = _round_up(q_len, q_multiple) - q_len
+  pad_kv = _round_up(kv_len, kv_multiple) - kv_len
+  q_lengths = jnp.full((batch,), q_len, jnp.int32) if q_lengths is None else q_lengths
+  kv_lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths
+  q_lengths = jnp.clip(q_lengths, 0, q_len)
+  kv_lengths = jnp.clip(kv_lengths, 0, kv_len)
+  pad = lambda x, n: x if n == 0 else jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))
+  out, lse = _attention(static, pad(q, pad_q), pad(k, pad_kv), pad(v, pad_kv), q_lengths,
+                        kv_lengths)
+  return out[:, :q_len], lse[:, :, :q_len]
+
+
+def _forward(static: _Static, q, k, v, q_lengths, kv_lengths):
+  return fwd.forward(q, k, v, q_lengths, kv_lengths, scale=static.scale, spec=static.spec,
+                     cfg=static.fwd_cfg, interpret=static.interpret)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(static, q, k, v, q_lengths, kv_lengths):
+  return _forward(static, q, k, v, q_lengths, kv_lengths)
+
+
+def _attention_fwd(static, q, k, v, q_lengths, kv_lengths):
+  out, lse = _forward(static, q, k, v, q_lengths, kv_lengths)
+  return (out, lse), (q, k, v, out, lse, q_lengths, kv_lengths)
+
+
+def _attention_bwd(static, res, cotangents):
+  q, k, v, out, lse, q_lengths, kv_lengths = res
+  d_out, _ = cotangents  # the lse leaves the API under stop_gradient
+  if not static.kernel_backward:
+    cfg = blocked_jax.BlockedConfig(
+        scale=static.scale, spec=static.spec, block_q=_WGS * static.fwd_cfg.block_q,
+        block_kv=static.fwd_cfg.block_kv, q_len=q.shape[1], kv_len=k.shape[1])
+    return blocked_jax._backward(cfg, res, d_out)
+  # delta_i = rowsum(dO_i * O_i): one fused elementwise pass, [B, Hq, T] float32.
+  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
+  d_out = d_out.astype(q.dtype)
+  common = dict(scale=static.scale, spec=static.spec, interpret=static.interpret)
+  dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg, **common)
+  dk, dv = bwd.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, cfg=static.dkv_cfg,
+                   **common)
+  return dq, dk, dv, None, None
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
