@@ -1,0 +1,132 @@
+"""What the benchmark sweeps: one frozen `Shape` per attention problem, grouped in presets.
+
+The main family is the FlashAttention papers' sweep: batch x seq = 16384 tokens and hidden size
+2048, i.e. 32 heads of 64, 16 heads of 128 or 8 heads of 256, seq 512 ... 16384, causal and not.
+Around it: long context at batch 1, grouped-query attention (32 query heads over 8 kv heads) and
+decode-like calls (a few queries over a long KV cache). The CPU presets are tiny versions of the
+same families, small enough for the interpreter and the portable path on two cores.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+TOKENS = 16384  # batch x seq in the FlashAttention papers' sweep
+HIDDEN = 2048  # heads x head_dim in the same sweep
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+  """One attention problem: q [batch, seq_q, heads_q, head_dim], k/v [batch, seq_kv, heads_kv,
+  head_dim]."""
+
+  batch: int
+  seq_q: int
+  seq_kv: int
+  heads_q: int
+  heads_kv: int
+  head_dim: int
+  causal: bool
+  family: str  # "fa", "long", "gqa", "decode", "cpu", ...: which question the shape answers
+
+  def __post_init__(self):
+    for name in ("batch", "seq_q", "seq_kv", "heads_q", "heads_kv", "head_dim"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"Shape.{name} must be positive, got {getattr(self, name)}")
+    if self.heads_q % self.heads_kv:
+      raise ValueError(f"heads_q ({self.heads_q}) must be a multiple of heads_kv "
+                       f"({self.heads_kv})")
+
+  @property
+  def name(self) -> str:
+    heads = (f"h{self.heads_q}" if self.heads_q == self.heads_kv
+             else f"h{self.heads_q}/{self.heads_kv}")
+    seq = f"s{self.seq_q}" if self.seq_q == self.seq_kv else f"s{self.seq_q}x{self.seq_kv}"
+    return f"b{self.batch} {seq} {heads} d{self.head_dim}{' causal' if self.causal else ''}"
+
+  @property
+  def score_elements(self) -> int:
+    """Entries of the full [batch, heads_q, seq_q, seq_kv] score matrix (what dense paths hold)."""
+    return self.batch * self.heads_q * self.seq_q * self.seq_kv
+
+  def fields(self) -> dict:
+    """The shape's columns in a results row."""
+    return dataclasses.asdict(self)
+
+
+def fa_sweep(seqs=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128, 256),
+             causal=(False, True)) -> list[Shape]:
+  """The FlashAttention papers' sweep: 16384 tokens, hidden 2048."""
+  return [Shape(TOKENS // s, s, s, HIDDEN // d, HIDDEN // d, d, c, "fa")
+          for d in head_dims for c in causal for s in seqs]
+
+
+def long_context(seqs=(32768, 65536), causal=(False, True)) -> list[Shape]:
+  """Batch 1, 16 heads of 128: where dense attention runs out of memory."""
+  return [Shape(1, s, s, 16, 16, 128, c, "long") for c in causal for s in seqs]
+
+
+def gqa(seqs=(4096, 16384), causal=(True,)) -> list[Shape]:
+  """Grouped-query attention, 32 query heads over 8 kv heads of 128 (Llama-style), 16k tokens."""
+  return [Shape(TOKENS // s, s, s, 32, 8, 128, c, "gqa") for c in causal for s in seqs]
+
+
+def decode(q_lens=(1, 16), kv_len=32768, batch=16) -> list[Shape]:
+  """A few new queries over a long KV cache (GQA 32/8): bound by reading K and V."""
+  return [Shape(batch, q, kv_len, 32, 8, 128, False, "decode") for q in q_lens]
+
+
+def cpu_sweep() -> list[Shape]:
+  """Tiny shapes for the CPU paths: two lengths, an odd one, causal and not, GQA and decode."""
+  return ([Shape(1, s, s, 2, 2, 64, c, "cpu") for c in (False, True) for s in (128, 200, 256)]
+          + [Shape(1, 128, 128, 4, 2, 64, True, "cpu_gqa"),
+             Shape(1, 16, 256, 4, 2, 64, False, "cpu_decode")])
+
+
+def tiny_sweep() -> list[Shape]:
+  """The smallest useful sweep (tests, the notebook's CI mode)."""
+  return [Shape(1, 128, 128, 2, 2, 64, False, "cpu"),
+          Shape(1, 96, 96, 2, 2, 64, True, "cpu"),
+          Shape(1, 64, 64, 4, 2, 64, True, "cpu_gqa")]
+
+
+# Preset name -> shapes. The order is the order they run in: the peers' anchor shapes (N = 1024,
+# 4096, 16384) come first, so that a run cut short by --time-budget still holds the comparisons
+# that matter most.
+def _full() -> list[Shape]:
+  first = fa_sweep(seqs=(1024, 4096, 16384))
+  rest = [s for s in fa_sweep() if s not in first]
+  return first + gqa() + decode() + long_context() + rest
+
+
+PRESETS = {
+    "full": _full,
+    "quick": lambda: (fa_sweep(seqs=(1024, 4096, 16384)) + gqa(seqs=(16384,)) + decode(q_lens=(16,))
+                      + long_context(seqs=(32768,), causal=(True,))),
+    "fa": fa_sweep,
+    "fa_quick": lambda: fa_sweep(seqs=(1024, 4096, 16384)),
+    "long": long_context,
+    "gqa": gqa,
+    "decode": decode,
+    "cpu": cpu_sweep,
+    "tiny": tiny_sweep,
+    "none": lambda: [],
+}
+
+
+def preset(names: str | list[str]) -> list[Shape]:
+  """Shapes of one or more comma-separated presets, duplicates dropped, order kept."""
+  if isinstance(names, str):
+    names = [n for n in names.split(",") if n]
+  shapes: list[Shape] = []
+  for name in names:
+    if name not in PRESETS:
+      raise ValueError(f"unknown shape preset {name!r}; choose from {sorted(PRESETS)}")
+    shapes += [s for s in PRESETS[name]() if s not in shapes]
+  return shapes
+
+
+def max_seq_shape(seq: int, head_dim: int = 128) -> Shape:
+  """The out-of-memory search's shape: batch 1, hidden 2048, causal (memory barely depends on
+  causality; the causal call is twice as fast to run)."""
+  return Shape(1, seq, seq, HIDDEN // head_dim, HIDDEN // head_dim, head_dim, True, "max_seq")

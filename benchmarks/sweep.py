@@ -1,0 +1,282 @@
+"""The measurement loop: shapes x implementations x passes -> result rows.
+
+For each shape: compile every (implementation, pass) it is measured with (in parallel threads when
+asked; compiling needs no data), draw fresh random inputs, compute the float32 reference once, then
+time the calls one after another on an otherwise idle device, each checked against the reference.
+Anything that fails (an unsupported shape, a missing package, out of memory) becomes a row whose
+`error` says why, and the sweep goes on.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import datetime
+import time
+from typing import Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks import impls as impls_lib
+from benchmarks import memory
+from benchmarks import report
+from benchmarks import shapes as shapes_lib
+from benchmarks import timing
+from benchmarks.timing import TimingConfig
+from benchmarks.shapes import Shape
+
+DTYPES = {"bf16": jnp.bfloat16, "bfloat16": jnp.bfloat16, "f16": jnp.float16,
+          "float16": jnp.float16, "f32": jnp.float32, "float32": jnp.float32}
+
+
+@dataclasses.dataclass(frozen=True)
+class SweepConfig:
+  dtype: str = "bf16"
+  passes: tuple[str, ...] = timing.PASSES
+  timing: TimingConfig = TimingConfig()
+  # The interpreter is slow: one warm-up call and one timed call.
+  interpret_timing: TimingConfig = TimingConfig(warmup=1, repeats=1, max_calls=1)
+  # Check against the float32 reference where the full score matrix has at most this many entries
+  # (the reference materializes it, with its gradient, in float32).
+  check_max_scores: int = 2 ** 30
+  compile_workers: int = 1
+  seed: int = 0
+  time_budget_s: float | None = None  # past it, remaining measurements are recorded as skipped
+  all_pairs: bool = False  # measure every implementation at every shape (see impls.wanted)
+
+  @property
+  def jnp_dtype(self):
+    return DTYPES[self.dtype]
+
+
+class NullProgress:
+  """What the loops report to: `step(text)` before each measurement, `note(text)` for work between
+  measurements (compiling a shape's calls)."""
+
+  def step(self, text: str):
+    pass
+
+  def note(self, text: str):
+    pass
+
+
+def run_context() -> dict:
+  """Columns shared by every row of one run."""
+  device = jax.devices()[0]
+  now = datetime.datetime.now(datetime.timezone.utc)
+  return {"device": device.device_kind, "platform": device.platform,
+          "device_memory_bytes": memory.device_memory_limit(device),
+          "jax_version": jax.__version__, "date": now.date().isoformat(),
+          "run_id": now.strftime("%Y%m%dT%H%M%SZ")}
+
+
+def platform() -> str:
+  return "cpu" if jax.devices()[0].platform == "cpu" else "gpu"
+
+
+def _dtype_name(dtype) -> str:
+  return jnp.dtype(dtype).name
+
+
+def attention_row(ctx: dict, impl: impls_lib.Impl, shape: Shape, pass_: str, dtype) -> dict:
+  """A row with every column present; measurements fill in the None ones."""
+  return {"kind": "attention", "implementation": impl.name, **shape.fields(),
+          "dtype": _dtype_name(dtype), "pass": pass_, "ms": None, "tflops": None,
+          "gb_per_s": None, "pct_of_matmul": None,
+          "flops": timing.attention_flops(shape, pass_), "peak_bytes": None, "temp_bytes": None,
+          "alloc_peak_bytes": None, "max_rel_err": None, "error": None, "error_kind": None,
+          "compile_s": None, "calls_per_repeat": None, "repeats": None,
+          "interpret": impl.interpret, "impl_version": impl.version, **ctx}
+
+
+def _fail(row: dict, error: BaseException) -> dict:
+  row["error_kind"], row["error"] = memory.describe_error(error)
+  return row
+
+
+def compile_call(impl: impls_lib.Impl, shape: Shape, pass_: str, dtype):
+  """(compiled, seconds) for one implementation's timed function; raises what compiling raises."""
+  if impl.attend is None:
+    raise ImportError(impl.unavailable)
+  fn = impls_lib.timed_fn(impl.attend, shape, pass_)
+  start = time.perf_counter()
+  compiled = jax.jit(fn).lower(*impls_lib.arg_specs(shape, pass_, dtype)).compile()
+  return compiled, time.perf_counter() - start
+
+
+def _compile_all(jobs: dict, workers: int) -> dict:
+  """{key: thunk} -> {key: (result, None) or (None, exception)}, in `workers` threads. A job that
+  fails in a thread is retried on the main thread, so threading can never be the cause."""
+  def attempt(thunk):
+    try:
+      return thunk(), None
+    except Exception as e:  # pylint: disable=broad-except
+      return None, e
+  if workers <= 1 or len(jobs) <= 1:
+    return {key: attempt(thunk) for key, thunk in jobs.items()}
+  with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+    futures = {key: pool.submit(attempt, thunk) for key, thunk in jobs.items()}
+    results = {key: f.result() for key, f in futures.items()}
+  return {key: (attempt(jobs[key]) if err is not None else (res, err))
+          for key, (res, err) in results.items()}
+
+
+@jax.jit
+def _rel_err(out, ref):
+  out = out.astype(jnp.float32)
+  err = jnp.max(jnp.abs(out - ref)) / jnp.maximum(jnp.max(jnp.abs(ref)), 1e-30)
+  return jnp.where(jnp.all(jnp.isfinite(out)), err, jnp.nan)
+
+
+def max_rel_err(outs, refs) -> float | None:
+  """max |out - ref| / max |ref| (each output against its own reference's largest entry; the
+  worst over the outputs), in float32 on the device; None when an output holds a NaN or inf."""
+  errs = [float(_rel_err(o, r)) for o, r in zip(jax.tree.leaves(outs), jax.tree.leaves(refs))]
+  return None if any(np.isnan(e) for e in errs) else max(errs)
+
+
+def _fill_timing(row: dict, t: timing.Timing, shape: Shape, pass_: str, itemsize: int,
+                 ceiling_tflops: float | None):
+  row["ms"] = t.ms
+  row["tflops"] = row["flops"] / t.ms / 1e9
+  row["gb_per_s"] = timing.attention_min_bytes(shape, pass_, itemsize) / t.ms / 1e6
+  row["calls_per_repeat"], row["repeats"] = t.calls, len(t.repeat_ms)
+  if ceiling_tflops:
+    row["pct_of_matmul"] = 100.0 * row["tflops"] / ceiling_tflops
+
+
+def _args_bytes(args) -> int:
+  return sum(a.size * a.dtype.itemsize for a in args)
+
+
+def measure(compiled, args, row: dict, shape: Shape, pass_: str, cfg: timing.TimingConfig,
+            refs=None, ceiling_tflops: float | None = None) -> dict:
+  """Times one compiled call into `row` (plus its allocator peak and its error vs `refs`)."""
+  peak = memory.AllocatorPeak().start()
+  try:
+    t, first = timing.time_compiled(compiled, args, cfg)
+  except Exception as e:  # pylint: disable=broad-except
+    return _fail(row, e)
+  extra = peak.stop()
+  if extra is not None:
+    row["alloc_peak_bytes"] = extra + _args_bytes(args)
+  _fill_timing(row, t, shape, pass_, args[0].dtype.itemsize, ceiling_tflops)
+  if refs is not None:
+    row["max_rel_err"] = max_rel_err(first, refs)
+    if row["max_rel_err"] is None:
+      row["error_kind"], row["error"] = "wrong", "non-finite values in the output"
+  return row
+
+
+def measurement_key(impl_name: str, shape: Shape, pass_: str, dtype) -> tuple:
+  """The identity of a measurement, as `report.measurement_key` reads it from a row."""
+  return report.measurement_key({"implementation": impl_name, "pass": pass_,
+                                 "dtype": _dtype_name(dtype), **shape.fields()})
+
+
+def plan(shapes: Iterable[Shape], impls: list[impls_lib.Impl], cfg: SweepConfig, plat: str,
+         done: frozenset = frozenset()):
+  """[(shape, [(impl, pass), ...]), ...]: what the sweep measures, shape by shape, leaving out the
+  measurements in `done` (keys from `measurement_key`, for --resume)."""
+  out = []
+  for shape in shapes:
+    tasks = [(impl, p) for impl in impls for p in cfg.passes
+             if (cfg.all_pairs or impls_lib.wanted(impl, shape, plat))
+             and measurement_key(impl.name, shape, p, cfg.jnp_dtype) not in done]
+    if tasks:
+      out.append((shape, tasks))
+  return out
+
+
+def run_sweep(shapes: Iterable[Shape], impls: list[impls_lib.Impl], cfg: SweepConfig,
+              emit: Callable[[dict], None], progress=NullProgress(),
+              ceiling_tflops: float | None = None, ctx: dict | None = None,
+              done: frozenset = frozenset()):
+  """Measures the plan, calling `emit(row)` for each row as soon as it is known."""
+  ctx = ctx or run_context()
+  plat = platform()
+  dtype = cfg.jnp_dtype
+  start = time.perf_counter()
+  for index, (shape, tasks) in enumerate(plan(shapes, impls, cfg, plat, done)):
+    over_budget = (cfg.time_budget_s is not None
+                   and time.perf_counter() - start > cfg.time_budget_s)
+    jobs = {} if over_budget else {
+        (impl.name, p): (lambda impl=impl, p=p: compile_call(impl, shape, p, dtype))
+        for impl, p in tasks}
+    check = not over_budget and shape.score_elements <= cfg.check_max_scores
+    if check:
+      ref_fwd, ref_bwd = impls_lib.reference_fns(shape)
+      for p, fn in (("fwd", ref_fwd), ("fwd_bwd", ref_bwd)):
+        if p in cfg.passes:
+          jobs[("reference_f32", p)] = (
+              lambda fn=fn, p=p: jax.jit(fn).lower(*impls_lib.arg_specs(shape, p, dtype)).compile())
+    if jobs:
+      progress.note(f"compiling {len(jobs)} calls at {shape.name}")
+    compiled = _compile_all(jobs, cfg.compile_workers)
+
+    inputs = None if over_budget else impls_lib.random_inputs(shape, dtype, cfg.seed + index)
+    refs = {}
+    for p in cfg.passes if check else ():
+      ref_compiled, err = compiled[("reference_f32", p)]
+      if err is None:
+        try:
+          refs[p] = jax.block_until_ready(ref_compiled(*inputs[:3 if p == "fwd" else 4]))
+        except Exception:  # pylint: disable=broad-except  (unchecked rather than failed)
+          pass
+    for impl, p in tasks:
+      progress.step(f"{impl.name} {p} {shape.name}")
+      row = attention_row(ctx, impl, shape, p, dtype)
+      if over_budget or (cfg.time_budget_s is not None
+                         and time.perf_counter() - start > cfg.time_budget_s):
+        row["error_kind"], row["error"] = "skipped", "skipped: --time-budget exhausted"
+        emit(row)
+        continue
+      result, err = compiled[(impl.name, p)]
+      if err is not None:
+        emit(_fail(row, err))
+        continue
+      executable, row["compile_s"] = result
+      row.update(memory.compiled_memory(executable))
+      cfg_t = cfg.interpret_timing if impl.interpret else cfg.timing
+      args = inputs[:3] if p == "fwd" else inputs
+      emit(measure(executable, args, row, shape, p, cfg_t, refs.get(p), ceiling_tflops))
+      del executable, result
+    del inputs, refs, compiled
+
+
+def max_seq_rows(impl: impls_lib.Impl, seqs: list[int], cfg: SweepConfig, execute: bool,
+                 memory_limit: int | None, emit: Callable[[dict], None],
+                 progress=NullProgress(), ctx: dict | None = None,
+                 head_dim: int = 128):
+  """The out-of-memory search for one implementation (see memory.max_seq_search)."""
+  ctx = ctx or run_context()
+  dtype = cfg.jnp_dtype
+  start = time.perf_counter()
+  for p in cfg.passes:
+    def step(seq, p=p):
+      shape = shapes_lib.max_seq_shape(seq, head_dim)
+      progress.step(f"{impl.name} {p} {shape.name} (max-seq search)")
+      row = attention_row(ctx, impl, shape, p, dtype)
+      row["kind"], row["executed"], row["memory_limit_bytes"] = "max_seq", False, memory_limit
+      if cfg.time_budget_s is not None and time.perf_counter() - start > cfg.time_budget_s:
+        row["error_kind"], row["error"] = "skipped", "skipped: --time-budget exhausted"
+        return row
+      try:
+        executable, row["compile_s"] = compile_call(impl, shape, p, dtype)
+      except Exception as e:  # pylint: disable=broad-except
+        return _fail(row, e)
+      row.update(memory.compiled_memory(executable))
+      if memory_limit is not None and (row["peak_bytes"] or 0) > memory_limit:
+        row["error_kind"] = "oom"
+        row["error"] = (f"out of memory: compiled peak {row['peak_bytes'] / 2**30:.1f} GiB exceeds "
+                        f"the {memory_limit / 2**30:.1f} GiB limit (not run)")
+        return row
+      if execute:
+        row["executed"] = True
+        args = impls_lib.random_inputs(shape, dtype, cfg.seed + seq)
+        one_call = timing.TimingConfig(warmup=1, repeats=0)  # its first call, timed alone
+        measure(executable, args[:3] if p == "fwd" else args, row, shape, p, one_call)
+      return row
+    memory.max_seq_search(step, seqs, emit)

@@ -1,0 +1,196 @@
+"""The benchmark harness (benchmarks/): the CPU sweep's rows, failures as rows, the report, the
+out-of-memory search, the results files' schema, and the notebook executed in its CI mode."""
+
+import json
+import os
+import pathlib
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
+
+from benchmarks import impls  # noqa: E402
+from benchmarks import report  # noqa: E402
+from benchmarks import run  # noqa: E402
+from benchmarks import shapes  # noqa: E402
+from benchmarks import sweep  # noqa: E402
+from benchmarks import timing  # noqa: E402
+
+# bf16 inputs and outputs: one rounding of the output is up to 2^-8 = 3.9e-3 of its largest entry.
+MAX_REL_ERR = 2e-2
+
+# Column -> accepted types, for every attention row (None where the value may be unknown).
+SCHEMA = {
+    "kind": (str,), "implementation": (str,), "family": (str,), "batch": (int,),
+    "seq_q": (int,), "seq_kv": (int,), "heads_q": (int,), "heads_kv": (int,),
+    "head_dim": (int,), "causal": (bool,), "dtype": (str,), "pass": (str,),
+    "ms": (float, type(None)), "tflops": (float, type(None)), "gb_per_s": (float, type(None)),
+    "pct_of_matmul": (float, type(None)), "flops": (float,), "peak_bytes": (int, type(None)),
+    "temp_bytes": (int, type(None)), "alloc_peak_bytes": (int, type(None)),
+    "max_rel_err": (float, type(None)), "error": (str, type(None)),
+    "error_kind": (str, type(None)), "device": (str,), "platform": (str,),
+    "jax_version": (str,), "date": (str,), "run_id": (str,),
+}
+PORTABLE = ("pallas_attn:blocked_jax", "pallas_attn:reference", "jax_xla")
+
+
+def check_schema(row):
+  for key, types in SCHEMA.items():
+    assert key in row, f"row lacks {key!r}: {row}"
+    assert isinstance(row[key], types), f"{key}={row[key]!r} is not {types} in {row}"
+  assert row["implementation"] in impls.NAMES
+  assert row["pass"] in timing.PASSES
+  assert (row["error"] is None) == (row["error_kind"] is None)
+  if row["error"] is None:
+    assert row["ms"] > 0 and row["tflops"] > 0 and row["peak_bytes"] > 0
+
+
+@pytest.fixture(scope="module")
+def cpu_sweep(tmp_path_factory):
+  """The CPU sweep in its tiny mode, as the command line runs it."""
+  out = tmp_path_factory.mktemp("bench") / "cpu.jsonl"
+  rows = run.main(["--quick", "--out", str(out), "--quiet", "--repeats", "1", "--max-calls", "2",
+                   "--ceiling-size", "128", "--no-max-seq-search"])
+  return out, rows
+
+
+def test_sweep_writes_one_row_per_measurement(cpu_sweep):
+  out, rows = cpu_sweep
+  assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+  ceiling = [r for r in rows if r["kind"] == "matmul_ceiling"]
+  assert len(ceiling) == 1 and ceiling[0]["tflops"] > 0
+  attn = [r for r in rows if r["kind"] == "attention"]
+  for row in attn:
+    check_schema(row)
+  keys = {(r["implementation"], r["pass"], r["seq_q"], r["causal"], r["heads_q"]) for r in attn}
+  assert len(keys) == len(attn)
+  for shape in shapes.tiny_sweep():
+    for name in impls.DEFAULT_NAMES["cpu"]:
+      for pass_ in timing.PASSES:
+        assert (name, pass_, shape.seq_q, shape.causal, shape.heads_q) in keys
+
+
+def test_cpu_paths_run_and_match_the_reference(cpu_sweep):
+  _, rows = cpu_sweep
+  attn = [r for r in rows if r["kind"] == "attention"]
+  for row in attn:
+    if row["implementation"] in PORTABLE:
+      assert row["error"] is None, row
+    if row["error"] is None:  # the interpreter's row may say why the kernels could not run
+      assert row["max_rel_err"] is not None and row["max_rel_err"] < MAX_REL_ERR, row
+      assert row["temp_bytes"] is not None and row["pct_of_matmul"] > 0
+    else:
+      assert row["implementation"] == "pallas_attn:mosaic_gpu" and row["interpret"], row
+
+
+def test_report_tables(cpu_sweep):
+  _, rows = cpu_sweep
+  text = report.summary(rows)
+  for label in ("blocked_jax", "reference", "xla", "max err fwd_bwd", "compiled temporaries"):
+    assert label in text
+  assert "GFLOP/s fwd/fwd_bwd" in text  # CPU rates are below 1 TFLOP/s
+
+
+def test_resume_has_nothing_left(cpu_sweep):
+  _, rows = cpu_sweep
+  impl_list = [impls.get(n, "cpu") for n in impls.DEFAULT_NAMES["cpu"]]
+  cfg = sweep.SweepConfig()
+  assert sweep.plan(shapes.tiny_sweep(), impl_list, cfg, "cpu")
+  assert sweep.plan(shapes.tiny_sweep(), impl_list, cfg, "cpu", report.done_keys(rows)) == []
+
+
+def test_failures_become_rows_and_the_sweep_goes_on():
+  def refuses(q, k, v, *, is_causal):
+    raise NotImplementedError("this shape is not supported")
+  impl_list = [impls.Impl("tokamax_mosaic", None, unavailable="tokamax is not importable"),
+               impls.Impl("jax_cudnn", refuses),
+               impls.get("jax_xla", "cpu")]
+  rows = []
+  cfg = sweep.SweepConfig(passes=("fwd",), timing=timing.TimingConfig(warmup=1, repeats=1))
+  sweep.run_sweep(shapes.tiny_sweep()[:1], impl_list, cfg, rows.append)
+  by_name = {r["implementation"]: r for r in rows}
+  assert by_name["tokamax_mosaic"]["error_kind"] == "unsupported"
+  assert "tokamax is not importable" in by_name["tokamax_mosaic"]["error"]
+  assert by_name["jax_cudnn"]["error"].startswith("NotImplementedError: this shape")
+  assert by_name["jax_xla"]["error"] is None and by_name["jax_xla"]["max_rel_err"] < MAX_REL_ERR
+  for row in rows:
+    check_schema(row)
+
+
+def test_max_seq_search_stops_the_dense_path_first():
+  """Compile-only, against a small limit: the dense path's N x N scores exceed it first."""
+  cfg = sweep.SweepConfig(passes=("fwd",))
+  largest = {}
+  for name in ("pallas_attn:blocked_jax", "jax_xla"):
+    rows = []
+    sweep.max_seq_rows(impls.get(name, "cpu"), [512, 1024, 2048], cfg, execute=False,
+                       memory_limit=64 * 2**20, emit=rows.append)
+    for row in rows:
+      check_schema(dict(row, ms=1.0, tflops=1.0) if row["error"] is None else row)
+      assert row["kind"] == "max_seq"
+    largest[name] = max([r["seq_q"] for r in rows if r["error"] is None], default=0)
+    if name == "jax_xla":
+      assert rows[-1]["error_kind"] == "oom"
+  assert largest["pallas_attn:blocked_jax"] > largest["jax_xla"]
+
+
+def test_flop_formula():
+  shape = shapes.Shape(2, 1024, 1024, 16, 16, 128, False, "fa")
+  assert timing.attention_flops(shape, "fwd") == 4 * 2 * 16 * 1024 * 1024 * 128
+  causal = shapes.Shape(2, 1024, 1024, 16, 16, 128, True, "fa")
+  assert timing.attention_flops(causal, "fwd_bwd") == 3.5 * timing.attention_flops(shape, "fwd") / 2
+
+
+def test_default_results_file_names_the_device():
+  assert run.default_out("cpu", "cpu").name == "cpu.jsonl"
+  assert run.default_out("NVIDIA H200", "gpu").name == "h200.jsonl"
+  assert run.default_out("NVIDIA H100 80GB HBM3", "gpu").name == "h100_80gb_hbm3.jsonl"
+
+
+def test_presets_follow_the_papers_sweep():
+  fa = shapes.preset("fa")
+  assert len(fa) == 36
+  assert all(s.batch * s.seq_q == 16384 and s.heads_q * s.head_dim == 2048 for s in fa)
+  full = shapes.preset("full")
+  assert {s.family for s in full} == {"fa", "long", "gqa", "decode"}
+  assert len(full) == len(set(full))
+  with pytest.raises(ValueError, match="multiple of heads_kv"):
+    shapes.Shape(1, 8, 8, 3, 2, 64, False, "x")
+
+
+@pytest.mark.parametrize("name", ["cpu.jsonl", "h200.jsonl"])
+def test_committed_results_follow_the_schema(name):
+  rows = report.load(ROOT / "benchmarks" / "results" / name)
+  if not rows:
+    pytest.skip(f"no committed {name}")
+  for row in rows:
+    if row["kind"] in ("attention", "max_seq"):
+      check_schema(dict(row, ms=1.0, tflops=1.0) if row["kind"] == "max_seq" else row)
+
+
+def test_notebook_matches_its_generator():
+  nbformat = pytest.importorskip("nbformat")
+  from benchmarks import make_notebook  # pylint: disable=import-outside-toplevel
+  committed = nbformat.read(make_notebook.NOTEBOOK, as_version=4)
+  built = make_notebook.build()
+  assert [(c.cell_type, c.source) for c in committed.cells] == \
+      [(c.cell_type, c.source) for c in built.cells], \
+      "notebooks/benchmarks.ipynb is stale: run python -m benchmarks.make_notebook --execute"
+
+
+def test_notebook_runs_in_its_small_cpu_mode():
+  pytest.importorskip("nbclient")
+  pytest.importorskip("ipykernel")
+  from benchmarks import make_notebook  # pylint: disable=import-outside-toplevel
+  from benchmarks import nbexec  # pylint: disable=import-outside-toplevel
+  nb = make_notebook.build()
+  nbexec.execute(nb, cwd=make_notebook.NOTEBOOK.parent,
+                 env={"PALLAS_ATTN_NOTEBOOK_SMALL": "1", "PALLAS_ATTN_NOTEBOOK_RERUN": "0"},
+                 timeout=120)
+  outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+  assert not [o for o in outputs if o.output_type == "error"]
+  assert sum("image/png" in o.get("data", {}) for o in outputs) >= 5
+  text = "".join(o.get("text", "") for o in outputs)
+  assert "rows from small.jsonl" in text and "max err fwd" in text
