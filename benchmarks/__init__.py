@@ -5,3 +5,9 @@ Modules, one job each: `shapes` (what is swept), `impls` (name -> attention call
 allocator memory, the out-of-memory search), `run` (the command line), `report` (tables from a
 results file), `plots` (the notebook's figures).
 """
+
+# The CPU sweep runs the Mosaic GPU kernels in the interpreter, which needs more XLA CPU threads
+# than a small machine's core count (see pallas_attn.interpreter_threads); before JAX starts.
+from pallas_attn import interpreter_threads as _interpreter_threads
+
+_interpreter_threads.configure()

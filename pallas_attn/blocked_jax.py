@@ -123,6 +123,7 @@ def _q_range(cfg, kv_start, num_q_blocks, q_lengths):
 
 
 def _forward(cfg: BlockedConfig, q, k, v, q_lengths, kv_lengths):
+  """(out [B, T, Hq, D] float32, lse [B, Hq, T]); the caller casts out to the input dtype."""
   batch, t_pad, heads_q, head_dim = q.shape
   heads_kv = k.shape[2]
   groups = heads_q // heads_kv
@@ -147,7 +148,7 @@ def _forward(cfg: BlockedConfig, q, k, v, q_lengths, kv_lengths):
             jnp.zeros(stats_shape, jnp.float32),
             jnp.zeros((*stats_shape, head_dim), jnp.float32))
     m, l, acc = lax.fori_loop(lo, hi, step, init)
-    out, lse = numerics.finish(m, l, acc, q.dtype)
+    out, lse = numerics.finish(m, l, acc, jnp.float32)
     # [B, Hkv, G, bq, D] -> [B, bq, Hq, D]; lse -> [B, Hq, bq]
     out = out.reshape(batch, heads_q, cfg.block_q, head_dim).transpose(0, 2, 1, 3)
     return out, lse.reshape(batch, heads_q, cfg.block_q)
@@ -235,12 +236,16 @@ def _backward(cfg: BlockedConfig, res, d_out):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg, q, k, v, q_lengths, kv_lengths):
-  return _forward(cfg, q, k, v, q_lengths, kv_lengths)
+  out, lse = _forward(cfg, q, k, v, q_lengths, kv_lengths)
+  return out.astype(q.dtype), lse
 
 
 def _attention_fwd(cfg, q, k, v, q_lengths, kv_lengths):
   out, lse = _forward(cfg, q, k, v, q_lengths, kv_lengths)
-  return (out, lse), (q, k, v, out, lse, q_lengths, kv_lengths)
+  # The float32 output is kept for delta = rowsum(dO * O): from the bf16/f16 output, delta's
+  # rounding error is amplified in dS = P (dP - delta) when the softmax is peaked (dq then misses
+  # the 2x-of-reference bound). O(N) memory, like the output itself.
+  return (out.astype(q.dtype), lse), (q, k, v, out, lse, q_lengths, kv_lengths)
 
 
 def _attention_bwd(cfg, res, cotangents):

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_attn import blocked_jax
+from pallas_attn import interpreter_threads
 from pallas_attn import reference
 
 
@@ -62,6 +63,8 @@ def _blocked_jax_impl(query, key, value, bias, mask, *, scale, spec, q_lengths, 
 def _mosaic_gpu_impl(query, key, value, bias, mask, *, scale, spec, q_lengths, kv_lengths,
                      interpret):
   _no_bias_or_mask("mosaic_gpu", bias, mask)
+  if interpret:
+    interpreter_threads.warn_if_too_few()
   from pallas_attn.mosaic_gpu import ops  # imported lazily: it pulls in the Mosaic GPU lowering
   return ops.attention(query, key, value, q_lengths, kv_lengths, scale=scale, spec=spec,
                        interpret=interpret)

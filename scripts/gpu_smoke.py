@@ -5,6 +5,7 @@ Prints one line per case (relative L2 errors of out, lse, dq, dk, dv against the
 and a few forward / forward+backward timings. A quick check between full test runs.
 """
 
+import dataclasses
 import sys
 import time
 import traceback
@@ -14,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import pallas_attn as pa
+from pallas_attn.mosaic_gpu import config
+from pallas_attn.mosaic_gpu import ops
 
 
 def rel(a, b):
@@ -70,7 +73,7 @@ def bench(fn, *args, iters=20, reps=5):
 
 def main():
   print(jax.devices(), jax.__version__, flush=True)
-  cases = [
+  cases = [] if "--perf-only" in sys.argv else [
       (1, 256, 256, 2, 2, 64, False, None, False),
       (1, 256, 256, 2, 2, 128, True, None, False),
       (1, 113, 203, 4, 2, 128, True, None, False),
@@ -90,13 +93,22 @@ def main():
       bad += 1
       print("ERR", c, flush=True)
       traceback.print_exc()
-  for d, causal in [(128, False), (128, True), (64, False)]:
+  for d, causal in [(128, False), (128, True), (64, False), (256, False)]:
     b, n, h = 4, 4096, 2048 // d
     ks = jax.random.split(jax.random.key(1), 3)
     q, k, v = (jax.random.normal(kk, (b, n, h, d), jnp.bfloat16) for kk in ks)
     flops = 4 * b * h * n * n * d * (0.5 if causal else 1)
+    spec = pa.MaskSpec(is_causal=causal)
+    base = config.forward_config(d)
+
+    def variant(ping_pong):
+      cfg = dataclasses.replace(base, ping_pong=ping_pong)
+      return lambda q, k, v: ops.attention(q, k, v, None, None, scale=d ** -0.5, spec=spec,
+                                           fwd_cfg=cfg)[0]
+
     for name, f in [
-        ("mosaic", lambda q, k, v: pa.attention(q, k, v, is_causal=causal, implementation="mosaic_gpu")),
+        ("mosaic ping-pong", variant(True)),
+        ("mosaic plain", variant(False)),
         ("cudnn", lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=causal, implementation="cudnn")),
     ]:
       try:

@@ -31,6 +31,11 @@ if os.environ.get("PALLAS_ATTN_TEST_FULL_OPT") != "1" and not _has_gpu_plugin():
       _flags = f"{_flags} {_flag}".strip()
   os.environ["XLA_FLAGS"] = _flags
 
+from pallas_attn import interpreter_threads  # noqa: E402
+
+# The Mosaic GPU interpreter needs more XLA CPU threads than 2 cores give (see that module).
+interpreter_threads.configure()
+
 import jax  # noqa: E402  (after XLA_FLAGS)
 import pytest  # noqa: E402
 

@@ -78,12 +78,8 @@ def test_default_blocks_are_8_aligned_and_at_most_128():
     assert bq >= min(q_len, 128) and bk >= min(kv_len, 128)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "BUG (pallas_attn/blocked_jax.py:183): delta = rowsum(dO * O) is computed from the output "
-    "already rounded to bf16/f16 (the residual `out`); on a peaked softmax the rounding error is "
-    "amplified by the cancellation in dP - delta, and dq exceeds 2x the error of the reference "
-    "run in the same precision (1.12x-1.40x the bound on every seed tried; dk reaches ~0.9x). "
-    "Computing delta from the float32 output brings every quantity under ~0.5x the bound."))
+# A peaked softmax amplifies rounding in delta = rowsum(dO * O); the blocked path keeps the float32
+# output for it (the residual), which this case needs to stay within 2x of the reference.
 @pytest.mark.parametrize("dtype", [cases.BF16, cases.F16], ids=cases.dtype_name)
 def test_peaky_softmax_gradients(dtype, seed):
   case = cases.get_case("peaky_scale4_128x128").replace(dtype=dtype)

@@ -173,11 +173,11 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
-                dk_ref, dv_ref,
-                k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, staging,
-                kv_full, q_full, do_full, lse_full, delta_full, slot_free, *,
-                spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-                num_q_blocks: int, groups: int):
+                *refs, spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
+                num_q_blocks: int, groups: int, outputs: tuple[str, ...]):
+  out_refs = dict(zip(outputs, refs[:len(outputs)]))
+  (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, staging,
+   kv_full, q_full, do_full, lse_full, delta_full, slot_free) = refs[len(outputs):]
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -247,7 +247,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         return c
 
       def step(qi, acc, *, masked: bool):
-        dk, dv = acc
+        acc = dict(acc)
         slot = slot_of(qi)
         wait_filled(slot)
         st = common.matmul(k_smem.at[wg], q_smem.at[slot].T, (block_kv, block_q))  # S^T
@@ -259,13 +259,15 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
         pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
         stage = staging[0].at[wg] if staging else None
-        dv = common.matmul_acc(dv, pt.astype(dtype), do_smem.at[slot], stage)
-        dpt = common.matmul(v_smem.at[wg], do_smem.at[slot].T, (block_kv, block_q))
-        delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
-        dst = pt * (dpt - common.broadcast_cols(delta, dpt.shape))
-        dk = common.matmul_acc(dk, dst.astype(dtype), q_smem.at[slot], stage)
+        if "dv" in outputs:
+          acc["dv"] = common.matmul_acc(acc["dv"], pt.astype(dtype), do_smem.at[slot], stage)
+        if "dk" in outputs:
+          dpt = common.matmul(v_smem.at[wg], do_smem.at[slot].T, (block_kv, block_q))
+          delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
+          dst = pt * (dpt - common.broadcast_cols(delta, dpt.shape))
+          acc["dk"] = common.matmul_acc(acc["dk"], dst.astype(dtype), q_smem.at[slot], stage)
         plgpu.barrier_arrive(slot_free.at[slot])
-        return dk, dv
+        return acc
 
       lax.fori_loop(cta_lo, lo, release, None)
       carry = _masked_loops(lo, full_lo, full_hi, hi, step, carry)
@@ -273,28 +275,47 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       return carry
 
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), common.WGMMA)
-    dk, dv = lax.fori_loop(0, groups, one_head, (zeros, zeros))
+    acc = lax.fori_loop(0, groups, one_head, {name: zeros for name in outputs})
 
-    k_smem.at[wg][...] = (dk * scale).astype(dtype)
-    v_smem.at[wg][...] = dv.astype(dtype)
+    # The K and V tiles are done with: their shared memory carries dK and dV out.
+    out_smem = {"dk": k_smem.at[wg], "dv": v_smem.at[wg]}
+    for name in outputs:
+      out_smem[name][...] = (acc[name] * (scale if name == "dk" else 1.0)).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem.at[wg], dk_ref.at[rows])
-    plgpu.copy_smem_to_gmem(v_smem.at[wg], dv_ref.at[rows])
+    for name in outputs:
+      plgpu.copy_smem_to_gmem(out_smem[name], out_refs[name].at[rows])
     plgpu.wait_smem_to_gmem(0)
 
 
 def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
         spec: mask_lib.MaskSpec, cfg: config_lib.KernelConfig, interpret: bool):
-  """(dK, dV) [B, S, Hkv, D] in k.dtype, summed over each kv head's query-head group."""
+  """(dK, dV) [B, S, Hkv, D] in k.dtype, summed over each kv head's query-head group.
+
+  When one warpgroup cannot hold both accumulators in registers (`cfg.split_dkv`: head_dim 256,
+  2 x 64 x 256 float32 = 256 registers per thread), dV and dK come from two launches, each
+  recomputing P.
+  """
+  passes = (("dv",), ("dk",)) if cfg.split_dkv else (("dk", "dv"),)
+  grads = {}
+  for outputs in passes:
+    grads.update(zip(outputs, _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
+                                        scale=scale, spec=spec, cfg=cfg, interpret=interpret,
+                                        outputs=outputs)))
+  return grads["dk"], grads["dv"]
+
+
+def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale, spec, cfg, interpret,
+              outputs):
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
-                             num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv)
+                             num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv,
+                             outputs=outputs)
   tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=common.TILE_TRANSFORMS)
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
   return plgpu.kernel(
       kernel,
-      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
+      out_type=tuple(jax.ShapeDtypeStruct(k.shape, k.dtype) for _ in outputs),
       scratch_types=[
           tile(_WGS, cfg.block_kv, head_dim),  # k, then dk out
           tile(_WGS, cfg.block_kv, head_dim),  # v, then dv out

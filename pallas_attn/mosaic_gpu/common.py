@@ -34,12 +34,15 @@ def compiler_params():
   return plgpu.CompilerParams(approx_math=True)
 
 
-def matmul(lhs, rhs, shape) -> jax.Array:
-  """lhs @ rhs into a fresh float32 [M, N] wgmma accumulator; lhs is a shared-memory ref or a
-  register array, rhs a shared-memory ref (possibly transposed)."""
+def matmul(lhs, rhs, shape, while_running=None) -> jax.Array:
+  """lhs @ rhs into a fresh float32 [M, N] wgmma accumulator; lhs is a shared-memory ref, rhs a
+  shared-memory ref (possibly transposed). `while_running` runs after the wgmma is issued and
+  before it is awaited."""
 
   def body(acc_ref):
     plgpu.wgmma(acc_ref, lhs, rhs)
+    if while_running is not None:
+      while_running()
     plgpu.wgmma_wait(0)
     return acc_ref[...]
 

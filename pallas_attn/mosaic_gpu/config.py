@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
-BACKWARD_HEAD_DIMS = (64, 128)
 SMEM_BYTES = 227 * 1024
 # Two warpgroups compute (each owns `block_q` query rows, or `block_kv` key rows in dK/dV); a third
 # issues the TMA copies.
@@ -32,6 +31,12 @@ class KernelConfig:
   block_q: int
   block_kv: int
   stages: int = 2
+  # Forward only: FlashAttention-3's ping-pong. The two compute warpgroups meet at a barrier
+  # twice per key block, offset by one meeting, so one's softmax runs while the other's matmuls
+  # hold the tensor cores.
+  ping_pong: bool = True
+  # dK/dV only: compute dV and dK in two launches (when both accumulators don't fit registers).
+  split_dkv: bool = False
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_kv % 64:
@@ -54,17 +59,17 @@ def forward_config(head_dim: int, dtype_bytes: int = 2) -> KernelConfig:
 
 def dq_config(head_dim: int, dtype_bytes: int = 2) -> KernelConfig:
   """dQ tiles: q and dO per compute warpgroup, a K/V ring. block_kv 64 keeps the S, dP and dQ
-  tiles of a warpgroup (3 x 32 + head_dim / 2 registers per thread at head_dim 128) in registers."""
+  tiles of a warpgroup in registers (2 x 32 + head_dim / 2 per thread). head_dim 256: q and dO
+  take 128 KiB, so the K/V ring gets one slot (64 KiB x 2 for two would overflow 227 KiB)."""
   del dtype_bytes
-  if head_dim not in BACKWARD_HEAD_DIMS:
-    return KernelConfig(block_q=64, block_kv=64)
-  return KernelConfig(block_q=64, block_kv=64, stages=2)
+  return KernelConfig(block_q=64, block_kv=64, stages=1 if head_dim > 128 else 2)
 
 
 def dkv_config(head_dim: int, dtype_bytes: int = 2) -> KernelConfig:
   """dK/dV tiles: K and V per compute warpgroup, a q/dO ring. The dK and dV accumulators of a
-  64-row key tile take head_dim registers per thread, so the query tile stays at 64."""
+  64-row key tile take head_dim registers per thread; at head_dim 256 they don't fit together,
+  so dV and dK are separate launches, and the ring has one slot (K/V take 128 KiB)."""
   del dtype_bytes
-  if head_dim not in BACKWARD_HEAD_DIMS:
-    return KernelConfig(block_q=64, block_kv=64)
+  if head_dim > 128:
+    return KernelConfig(block_q=64, block_kv=64, stages=1, split_dkv=True)
   return KernelConfig(block_q=64, block_kv=64, stages=2)

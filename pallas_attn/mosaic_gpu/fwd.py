@@ -29,7 +29,8 @@ from pallas_attn.mosaic_gpu import config as config_lib
 
 
 def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
-            qo_smem, k_smem, v_smem, lse_smem, p_staging, q_full, k_full, v_full, k_free, v_free, *,
+            qo_smem, k_smem, v_smem, lse_smem, p_staging, q_full, k_full, v_full, k_free, v_free,
+            schedule, *,
             spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
             num_kv_blocks: int, groups: int):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
@@ -80,13 +81,22 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
                                               kv_length)
     slot_of = lambda j: lax.rem(j - cta_lo, stages)
 
+    def meet():
+      """One ping-pong meeting of the two compute warpgroups (no-op without ping-pong)."""
+      if cfg.ping_pong:
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
+
     def release(j, carry):
-      """A slot another warpgroup needs: observe its fill, then free it."""
+      """A slot another warpgroup needs: observe its fill, then free it. Keeps the ping-pong
+      meetings in step with the other warpgroup (two per key block)."""
       slot = slot_of(j)
       plgpu.barrier_wait(k_full.at[slot])
       plgpu.barrier_arrive(k_free.at[slot])
       plgpu.barrier_wait(v_full.at[slot])
       plgpu.barrier_arrive(v_free.at[slot])
+      meet()
+      meet()
       return carry
 
     def step(j, carry, *, masked: bool):
@@ -94,7 +104,9 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
       slot = slot_of(j)
       plgpu.barrier_wait(k_full.at[slot])
 
-      s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv))  # [block_q, block_kv]
+      # The first meeting lets the other warpgroup's softmax start once this QK^T is issued.
+      s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv),  # [block_q, block_kv]
+                        while_running=meet)
       plgpu.barrier_arrive(k_free.at[slot])
       s = s * (scale * common.LOG2E)
       if masked:
@@ -106,7 +118,12 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
       p = jnp.exp2(s - common.broadcast_rows(m_new, s.shape))
       l_i = l_i * alpha + p.sum(axis=1)
       acc = acc * common.broadcast_rows(alpha, acc.shape)
-      plgpu.barrier_wait(v_full.at[slot])
+      if cfg.ping_pong:  # second meeting: softmax done; wait until the tensor cores are ours
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_full.at[slot])
+        plgpu.barrier_wait(schedule)
+      else:
+        plgpu.barrier_wait(v_full.at[slot])
       acc = common.matmul_acc(acc, p.astype(dtype), v_smem.at[slot],
                               p_staging[0].at[wg] if p_staging else None)
       plgpu.barrier_arrive(v_free.at[slot])
@@ -118,11 +135,13 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
         plgpu.layout_cast(jnp.full((block_q,), numerics.M_INIT, jnp.float32), common.WGMMA_ROW),
         plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), common.WGMMA_ROW),
     )
+    pl.when(wg == 1)(meet)  # offsets the two warpgroups by one meeting
     lax.fori_loop(cta_lo, lo, release, None)
     carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
     lax.fori_loop(hi, cta_hi, release, None)
+    pl.when(wg == 0)(meet)
     acc, m_i, l_i = carry
 
     rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=common.WGMMA_ROW)
@@ -169,6 +188,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
           plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled
           plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # k slot free
           plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # v slot free
+          plgpu.Barrier(num_arrivals=wgs),  # ping-pong meetings
       ],
       grid=(heads_q, num_q_tiles, batch),
       grid_names=("heads", "q_tiles", "batch"),

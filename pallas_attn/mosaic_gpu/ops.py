@@ -10,7 +10,6 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_attn import blocked_jax
 from pallas_attn import mask as mask_lib
 from pallas_attn.mosaic_gpu import bwd
 from pallas_attn.mosaic_gpu import config as config_lib
@@ -29,7 +28,6 @@ class _Static:
   fwd_cfg: config_lib.KernelConfig
   dq_cfg: config_lib.KernelConfig
   dkv_cfg: config_lib.KernelConfig
-  kernel_backward: bool  # False: head_dim has no backward kernel; use the portable backward
 
 
 def _round_up(x: int, m: int) -> int:
@@ -37,8 +35,9 @@ def _round_up(x: int, m: int) -> int:
 
 
 def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
-              interpret: bool = False):
+              interpret: bool = False, fwd_cfg: config_lib.KernelConfig | None = None):
   """q [B, T, Hq, D], k/v [B, S, Hkv, D] (bf16/f16), lengths int32 [B] or None.
+  `fwd_cfg` overrides the forward tiles (benchmarks compare variants with it).
 
   Returns (out [B, T, Hq, D], lse [B, Hq, T] float32 with +inf on rows that saw no key).
   """
@@ -46,9 +45,8 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
   kv_len = k.shape[1]
   static = _Static(
       scale=scale, spec=spec, interpret=interpret,
-      fwd_cfg=config_lib.forward_config(head_dim), dq_cfg=config_lib.dq_config(head_dim),
-      dkv_cfg=config_lib.dkv_config(head_dim),
-      kernel_backward=head_dim in config_lib.BACKWARD_HEAD_DIMS)
+      fwd_cfg=fwd_cfg or config_lib.forward_config(head_dim), dq_cfg=config_lib.dq_config(head_dim),
+      dkv_cfg=config_lib.dkv_config(head_dim))
   # Pad both sequences to whole tiles of every kernel; padded rows and keys are then hidden by
   # the length tests (lengths are clamped to the real lengths).
   q_multiple = math.lcm(_WGS * static.fwd_cfg.block_q, _WGS * static.dq_cfg.block_q,
@@ -85,16 +83,16 @@ def _attention_fwd(static, q, k, v, q_lengths, kv_lengths):
 def _attention_bwd(static, res, cotangents):
   q, k, v, out, lse, q_lengths, kv_lengths = res
   d_out, _ = cotangents  # the lse leaves the API under stop_gradient
-  if not static.kernel_backward:
-    cfg = blocked_jax.BlockedConfig(
-        scale=static.scale, spec=static.spec, block_q=_WGS * static.fwd_cfg.block_q,
-        block_kv=static.fwd_cfg.block_kv, q_len=q.shape[1], kv_len=k.shape[1])
-    return blocked_jax._backward(cfg, res, d_out)
   # delta_i = rowsum(dO_i * O_i): one fused elementwise pass, [B, Hq, T] float32.
   delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
   d_out = d_out.astype(q.dtype)
   common = dict(scale=static.scale, spec=static.spec, interpret=static.interpret)
   dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg, **common)
+  if static.interpret:
+    # The interpreter keeps one global model of shared memory and runs each warpgroup as a
+    # thread that blocks on barriers; two kernels interpreted at once (XLA may run the
+    # independent dQ and dK/dV calls concurrently) can deadlock. Order them.
+    dq, q = jax.lax.optimization_barrier((dq, q))
   dk, dv = bwd.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, cfg=static.dkv_cfg,
                    **common)
   return dq, dk, dv, None, None

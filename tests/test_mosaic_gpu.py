@@ -1,0 +1,147 @@
+"""The Mosaic GPU kernels (forward, dQ, dK/dV) against the float32 reference.
+
+On the CPU they run in the Mosaic GPU interpreter (`interpret=True`, races detected), short cases
+only: every masking feature appears there. Tests marked `gpu` compile the kernels for real on a
+Hopper GPU: every case at head_dim 64, 128 and 256, both dtypes, long sequences (8k to 32k), with
+the allocator poisoned with NaN so that tiles a kernel fails to write show up.
+Run those on the H200 with: PYTHONPATH=. python3 -m pytest -m gpu tests/test_mosaic_gpu.py
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cases
+import pallas_attn
+from pallas_attn import dispatch
+
+LOW = (cases.BF16, cases.F16)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the interpreter.
+
+
+@pytest.mark.parametrize("case", cases.case_params((cases.BF16,), small=True, head_dim=64))
+def test_interpreted_kernels_match_reference_bf16(case, seed):
+  cases.check_case(case, "mosaic_gpu", interpret=True, seed=seed)
+
+
+_F16_CASES = ("causal_113x203", "gqa_causal_lengths_113x203", "window_l32_r8_203x113",
+              "lengths_kv0_113x203")
+
+
+@pytest.mark.parametrize("name", _F16_CASES)
+def test_interpreted_kernels_match_reference_f16(name, seed):
+  case = cases.get_case(name).replace(dtype=cases.F16, head_dim=64)
+  cases.check_case(case, "mosaic_gpu", interpret=True, seed=seed)
+
+
+def test_interpreted_head_dim_128(seed):
+  case = cases.get_case("gqa_causal_113x203").replace(dtype=cases.BF16, head_dim=128)
+  cases.check_case(case, "mosaic_gpu", interpret=True, seed=seed)
+
+
+def test_interpreter_found_no_race():
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  case = cases.get_case("gqa_causal_lengths_113x203").replace(dtype=cases.BF16)
+  cases.check_case(case, "mosaic_gpu", interpret=True, seed=1)
+  assert interpret_pallas_call.get_races().races_found is False
+
+
+def test_kernel_path_has_no_quadratic_value():
+  q_len, kv_len = 200, 330
+  q = jax.ShapeDtypeStruct((1, q_len, 2, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, kv_len, 1, 64), jnp.bfloat16)
+
+  def loss(q, k, v, do):
+    out = pallas_attn.attention(q, k, v, is_causal=True, implementation="mosaic_gpu",
+                                interpret=True)
+    return jnp.vdot(out, do).astype(jnp.float32)
+
+  fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+  report = cases.find_quadratic_intermediates(fn, q, kv, kv, q, q_len=q_len, kv_len=kv_len)
+  assert not report, report.offenders[:10]
+  assert report.num_values > 100
+
+
+def test_explicit_mosaic_gpu_without_hopper_says_so():
+  if dispatch._has_hopper_gpu():
+    pytest.skip("a Hopper GPU is present: the kernels compile for real")
+  q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="no Hopper GPU.*interpret=True"):
+    pallas_attn.attention(q, q, q, implementation="mosaic_gpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real compilation on a Hopper GPU.
+
+gpu = pytest.mark.gpu
+
+
+def _poison_allocator(num_bytes: int):
+  """Fill and free a NaN buffer so that the next allocations likely reuse NaN memory: a tile the
+  kernel never writes then fails the comparison instead of passing on leftover values."""
+  poison = jnp.full((num_bytes // 4,), jnp.nan, jnp.float32)
+  poison.block_until_ready()
+  poison.delete()
+
+
+def _gpu_params():
+  """Every case in bf16 at head_dim 128 and in f16 at head_dim 64; a masking subset at 256."""
+  at_256 = {"causal_113x203", "gqa_causal_lengths_113x203", "window_l32_r8_203x113",
+            "lengths_kv0_113x203", "causal_1023x1024", "mha_1000x1000"}
+  params = []
+  for dtype, head_dim in [(cases.BF16, 128), (cases.F16, 64), (cases.BF16, 256)]:
+    for p in cases.case_params((dtype,), head_dim=head_dim):
+      case = p.values[0]
+      if head_dim == 256 and case.name not in at_256:
+        continue
+      params.append(pytest.param(case, id=f"{case.id}-d{head_dim}"))
+  return params
+
+
+@gpu
+@pytest.mark.parametrize("case", _gpu_params())
+def test_gpu_kernels_match_reference(case, seed):
+  _poison_allocator(64 << 20)
+  cases.check_case(case, "mosaic_gpu", seed=seed)
+
+
+_LONG = [(8192, False), (8192, True), (16384, True), (32768, False), (32768, True)]
+
+
+@functools.partial(jax.jit, static_argnames=("implementation", "is_causal"))
+def _long_run(q, k, v, do, *, implementation, is_causal):
+  def f(q, k, v):
+    return pallas_attn.attention(q, k, v, is_causal=is_causal, implementation=implementation,
+                                 return_residual=True)
+
+  (out, lse), vjp = jax.vjp(f, q, k, v)
+  return out, lse, vjp((do, jnp.zeros_like(lse)))
+
+
+@gpu
+@pytest.mark.parametrize("seq,is_causal", _LONG, ids=[f"{n}-{'causal' if c else 'full'}"
+                                                      for n, c in _LONG])
+def test_gpu_long_sequences(seq, is_causal, seed):
+  """Long sequences against the portable path in float32 (O(N) memory; itself checked against
+  the dense reference above)."""
+  keys = jax.random.split(jax.random.key(seed), 4)
+  shape_q, shape_kv = (1, seq, 4, 128), (1, seq, 2, 128)
+  q = jax.random.normal(keys[0], shape_q, jnp.bfloat16)
+  k = jax.random.normal(keys[1], shape_kv, jnp.bfloat16)
+  v = jax.random.normal(keys[2], shape_kv, jnp.bfloat16)
+  do = jax.random.normal(keys[3], shape_q, jnp.bfloat16)
+  _poison_allocator(1 << 30)
+  out, lse, grads = _long_run(q, k, v, do, implementation="mosaic_gpu", is_causal=is_causal)
+  up = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  ref_out, ref_lse, ref_grads = _long_run(*up, implementation="blocked_jax", is_causal=is_causal)
+  assert cases.rel_err(lse, ref_lse) < 1e-4
+  for got, want, what in zip((out, *grads), (ref_out, *ref_grads), cases.QUANTITIES):
+    assert np.isfinite(np.asarray(got, np.float32)).all(), what
+    err = cases.rel_err(got, want)
+    assert err < 1e-2, f"{what}: rel err {err:.3e}"
