@@ -19,6 +19,7 @@ default attention.
 """
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp

@@ -122,3 +122,31 @@ def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free):
     return carry
 
   lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
+
+
+def produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, batch, kv_head,
+               first_block, num_blocks, block_kv: int, stages: int):
+  """The producer warpgroup of the forward and dQ kernels: key blocks
+  [first_block, first_block + num_blocks) of K and V ([batch, seq, heads_kv, head_dim]) into the
+  ring, each slot's K and V completing on their own barriers."""
+  plgpu.set_max_registers(40, action="decrease")
+
+  def issue(i, slot):
+    rows = (batch, pl.ds((first_block + i) * block_kv, block_kv), kv_head)
+    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_full.at[slot])
+    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
+
+  def wait_free(slot):
+    plgpu.barrier_wait(k_free.at[slot])
+    plgpu.barrier_wait(v_free.at[slot])
+
+  produce_ring(num_blocks, stages, issue, wait_free)
+
+
+def release_kv(slot, k_full, v_full, k_free, v_free):
+  """A consumer's turn at a K/V slot it does not compute on (the other warpgroup does): observe
+  the fill, then free the slot."""
+  plgpu.barrier_wait(k_full.at[slot])
+  plgpu.barrier_arrive(k_free.at[slot])
+  plgpu.barrier_wait(v_full.at[slot])
+  plgpu.barrier_arrive(v_free.at[slot])

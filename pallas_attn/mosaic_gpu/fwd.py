@@ -52,18 +52,9 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
 
   @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-
-    def issue(i, slot):
-      rows = (batch, pl.ds((cta_lo + i) * block_kv, block_kv), kv_head)
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_full.at[slot])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
-
-    def wait_free(slot):
-      plgpu.barrier_wait(k_free.at[slot])
-      plgpu.barrier_wait(v_free.at[slot])
-
-    common.produce_ring(cta_hi - cta_lo, stages, issue, wait_free)
+    common.produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
+                      batch=batch, kv_head=kv_head, first_block=cta_lo,
+                      num_blocks=cta_hi - cta_lo, block_kv=block_kv, stages=stages)
 
   @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
   def _consumer():
@@ -90,11 +81,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
     def release(j, carry):
       """A slot another warpgroup needs: observe its fill, then free it. Keeps the ping-pong
       meetings in step with the other warpgroup (two per key block)."""
-      slot = slot_of(j)
-      plgpu.barrier_wait(k_full.at[slot])
-      plgpu.barrier_arrive(k_free.at[slot])
-      plgpu.barrier_wait(v_full.at[slot])
-      plgpu.barrier_arrive(v_free.at[slot])
+      common.release_kv(slot_of(j), k_full, v_full, k_free, v_free)
       meet()
       meet()
       return carry
