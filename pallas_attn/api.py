@@ -31,16 +31,23 @@ def _shape_of(name: str, x) -> tuple[int, ...]:
 
 def _check_broadcast_4d(name: str, x, full_shape: tuple[int, int, int, int],
                         heads_q: int, heads_kv: int):
-  """bias/mask must be 4-D and broadcast to [batch, heads_q, q_len, kv_len] (jax.nn: head axis 1
-  or heads_q)."""
+  """bias/mask (already given leading axes up to rank 4) must broadcast to
+  [batch, heads_q, q_len, kv_len] (jax.nn: head axis 1 or heads_q)."""
   shape = _shape_of(name, x)
   if len(shape) != 4:
-    raise ValueError(f"{name} must be 4-D, broadcastable to [batch, heads, q_len, kv_len] = "
+    raise ValueError(f"{name} must have rank <= 4, broadcastable to [batch, heads, q_len, kv_len] = "
                      f"{full_shape}; got shape {shape}")
   for axis, (got, want) in enumerate(zip(shape, full_shape)):
     if got not in (1, want):
       raise ValueError(f"{name} shape {shape} does not broadcast to [batch, heads, q_len, kv_len]"
                        f" = {full_shape} (axis {axis}: {got} vs {want})")
+
+
+def _leading_ones_to_4d(name: str, x):
+  if x is None:
+    return None
+  shape = _shape_of(name, x)
+  return jnp.reshape(x, (1,) * (4 - len(shape)) + shape) if len(shape) < 4 else x
 
 
 def _check_lengths(name: str, lengths, batch: int):
@@ -71,9 +78,10 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
   Args:
     query: [batch, q_len, heads_q, head_dim] (or rank 3 without batch).
     key, value: [batch, kv_len, heads_kv, head_dim]; heads_q % heads_kv == 0 (GQA/MQA).
-    bias: optional, 4-D, broadcastable to [batch, heads_q, q_len, kv_len]; added after scaling.
+    bias: optional, broadcastable to [batch, heads_q, q_len, kv_len] (rank < 4: leading axes
+      of 1 are added, as in jax.nn); added after scaling.
       Served by the `"reference"` implementation for now (O(N^2) memory).
-    mask: optional boolean, 4-D, broadcastable like bias; True = attend. Same note as bias.
+    mask: optional boolean, broadcastable like bias; True = attend. Same note as bias.
     scale: defaults to 1/sqrt(head_dim).
     is_causal: query i sees key j iff j <= i (top-left aligned, as jax.nn).
     query_seq_lengths: int32 [batch]; rows at or past it are zeroed (and get no gradient).
@@ -99,14 +107,11 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
     raise ValueError(f"query, key and value must have the same rank; got query {q_shape}, "
                      f"key {k_shape}, value {v_shape}")
   unbatched = len(q_shape) == 3
-  if unbatched:
+  if unbatched:  # jax.nn adds a batch axis of 1 (lengths then have shape (1,))
     query, key, value = query[None], key[None], value[None]
-    if bias is not None:
-      bias = jnp.asarray(bias)[None] if jnp.ndim(bias) == 3 else bias
-    if mask is not None:
-      mask = jnp.asarray(mask)[None] if jnp.ndim(mask) == 3 else mask
-    if query_seq_lengths is not None or key_value_seq_lengths is not None:
-      raise ValueError("query_seq_lengths/key_value_seq_lengths need batched (rank-4) inputs")
+  # jax.nn gives bias and mask of rank < 4 leading axes of size 1.
+  bias = _leading_ones_to_4d("bias", bias)
+  mask = _leading_ones_to_4d("mask", mask)
 
   batch, q_len, heads_q, head_dim = query.shape
   if key.shape[0] != batch or value.shape[0] != batch:

@@ -67,8 +67,8 @@ BAD_INPUTS = [
      r"query_seq_lengths must be int32.*float32"),
     ("kv_lengths_uint8", dict(kv_lengths=((B,), jnp.uint8)), TypeError,
      r"key_value_seq_lengths must be int32.*uint8"),
-    ("lengths_with_rank3", dict(q=(T, HQ, D), k=(S, HKV, D), q_lengths=((1,), jnp.int32)),
-     ValueError, r"query_seq_lengths.*batched"),
+    ("lengths_with_rank3", dict(q=(T, HQ, D), k=(S, HKV, D), q_lengths=((2,), jnp.int32)),
+     ValueError, r"query_seq_lengths must have shape \(batch,\) = \(1,\).*\(2,\)"),
     ("int32_inputs", dict(dtype=jnp.int32), TypeError, r"query dtype.*float.*got int32"),
     ("mixed_dtypes", dict(k_dtype=jnp.bfloat16), TypeError,
      r"share a dtype.*query float32.*key bfloat16"),
@@ -76,12 +76,12 @@ BAD_INPUTS = [
      r"mask must be boolean.*float32"),
     ("mask_wrong_shape", dict(mask=((B, 1, T, S + 1), bool)), ValueError,
      r"mask shape " + _shape_re((B, 1, T, S + 1)) + r".*" + _shape_re((B, HQ, T, S))),
-    ("mask_rank3", dict(mask=((1, T, S), bool)), ValueError,
-     r"mask must be 4-D.*" + _shape_re((1, T, S))),
+    ("mask_rank3_wrong_heads", dict(mask=((HKV, T, S), bool)), ValueError,
+     r"mask shape " + _shape_re((1, HKV, T, S))),
     ("mask_kv_heads", dict(mask=((B, HKV, T, S), bool)), ValueError,
      r"mask shape " + _shape_re((B, HKV, T, S))),
     ("bias_rank5", dict(bias=((1, B, HQ, T, S), jnp.float32)), ValueError,
-     r"bias must be 4-D.*" + _shape_re((1, B, HQ, T, S))),
+     r"bias must have rank <= 4.*" + _shape_re((1, B, HQ, T, S))),
     ("bias_wrong_q_len", dict(bias=((1, 1, T + 1, S), jnp.float32)), ValueError,
      r"bias shape " + _shape_re((1, 1, T + 1, S)) + r".*axis 2"),
     ("unknown_implementation", dict(implementation="cudnn"), ValueError,
@@ -203,6 +203,24 @@ def test_rank3_mask_and_bias_match_jax_nn(rng_key):
   mask = jax.random.bernoulli(k2, 0.7, (1, T, S))
   out, want = jax.jit(lambda *a: (pallas_attn.attention(*a), _jax_nn(*a)))(q, k, v, bias, mask)
   _assert_close(out, want, what="out")
+
+
+def test_low_rank_mask_bias_and_unbatched_lengths_match_jax_nn(rng_key):
+  """jax.nn gives bias/mask of rank < 4 leading axes of 1 (batched inputs too), and takes
+  lengths of shape (1,) with unbatched inputs."""
+  q, k, v, _ = _inputs(rng_key)
+  k1, k2 = jax.random.split(jax.random.fold_in(rng_key, 2))
+  bias = jax.random.normal(k1, (T, S))
+  mask = jax.random.bernoulli(k2, 0.7, (HQ, T, S))
+  out, want = jax.jit(lambda *a: (pallas_attn.attention(*a), _jax_nn(*a)))(q, k, v, bias, mask)
+  _assert_close(out, want, what="out (rank-2 bias, rank-3 mask)")
+  q3, k3, v3 = q[0], k[0], v[0]
+  lengths = jnp.asarray([T - 3], jnp.int32), jnp.asarray([S - 5], jnp.int32)
+  kw = lambda ql, kl: dict(query_seq_lengths=ql, key_value_seq_lengths=kl)
+  out, want = jax.jit(lambda q, k, v, ql, kl: (
+      pallas_attn.attention(q, k, v, is_causal=True, **kw(ql, kl)),
+      _jax_nn(q, k, v, is_causal=True, **kw(ql, kl))))(q3, k3, v3, *lengths)
+  _assert_close(out, want, what="out (unbatched, lengths (1,))")
 
 
 @pytest.mark.parametrize("implementation", ["blocked_jax", "reference"])
