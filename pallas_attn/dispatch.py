@@ -112,8 +112,6 @@ def choose(call: AttentionCall, implementation: str | None):
       reason = mosaic_gpu_unsupported_reason(call)
       if reason is not None:
         raise ValueError(f"implementation='mosaic_gpu' cannot serve this call: {reason}")
-    if implementation == "blocked_jax" and (call.has_bias or call.has_mask):
-      _no_bias_or_mask("blocked_jax", call.has_bias or None, call.has_mask or None)
     return _IMPLEMENTATIONS[implementation]
   if mosaic_gpu_unsupported_reason(call) is None:
     return _IMPLEMENTATIONS["mosaic_gpu"]
