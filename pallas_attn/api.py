@@ -29,8 +29,7 @@ def _shape_of(name: str, x) -> tuple[int, ...]:
   return tuple(x.shape)
 
 
-def _check_broadcast_4d(name: str, x, full_shape: tuple[int, int, int, int],
-                        heads_q: int, heads_kv: int):
+def _check_broadcast_4d(name: str, x, full_shape: tuple[int, int, int, int]):
   """bias/mask (already given leading axes up to rank 4) must broadcast to
   [batch, heads_q, q_len, kv_len] (jax.nn: head axis 1 or heads_q)."""
   shape = _shape_of(name, x)
@@ -135,9 +134,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
                     f"key {key.dtype}, value {value.dtype}")
   full_shape = (batch, heads_q, q_len, kv_len)
   if bias is not None:
-    _check_broadcast_4d("bias", bias, full_shape, heads_q, heads_kv)
+    _check_broadcast_4d("bias", bias, full_shape)
   if mask is not None:
-    _check_broadcast_4d("mask", mask, full_shape, heads_q, heads_kv)
+    _check_broadcast_4d("mask", mask, full_shape)
     if jnp.dtype(mask.dtype) != jnp.dtype(bool):
       raise TypeError(f"mask must be boolean (use bias for additive masks); got {mask.dtype}")
   q_lengths = _check_lengths("query_seq_lengths", query_seq_lengths, batch)

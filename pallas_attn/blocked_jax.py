@@ -34,14 +34,10 @@ class BlockedConfig:
   kv_len: int
 
 
-def _round_up(x: int, m: int) -> int:
-  return (x + m - 1) // m * m
-
-
 def default_blocks(q_len: int, kv_len: int) -> tuple[int, int]:
   """Blocks of 128 (or the whole, 8-aligned sequence when shorter): large enough for matmul units,
   small enough that one [heads, block_q, block_kv] tile stays in cache."""
-  return min(128, _round_up(q_len, 8)), min(128, _round_up(kv_len, 8))
+  return min(128, mask_lib.round_up(q_len, 8)), min(128, mask_lib.round_up(kv_len, 8))
 
 
 def attention(query, key, value, q_lengths, kv_lengths, *, scale: float,
@@ -51,24 +47,12 @@ def attention(query, key, value, q_lengths, kv_lengths, *, scale: float,
 
   Returns (out [B, T, Hq, D] in the input dtype, lse [B, Hq, T] float32, +inf on empty rows).
   """
-  batch, q_len, _, _ = query.shape
-  kv_len = key.shape[1]
+  q_len, kv_len = query.shape[1], key.shape[1]
   default_q, default_kv = default_blocks(q_len, kv_len)
   cfg = BlockedConfig(scale=scale, spec=spec, block_q=block_q or default_q,
                       block_kv=block_kv or default_kv, q_len=q_len, kv_len=kv_len)
-  if q_lengths is None:
-    q_lengths = jnp.full((batch,), q_len, jnp.int32)
-  if kv_lengths is None:
-    kv_lengths = jnp.full((batch,), kv_len, jnp.int32)
-  # Clamp to the real lengths: padding rows/keys are then hidden by the same length test.
-  q_lengths = jnp.minimum(q_lengths, q_len)
-  kv_lengths = jnp.minimum(kv_lengths, kv_len)
-
-  pad_q = _round_up(q_len, cfg.block_q) - q_len
-  pad_kv = _round_up(kv_len, cfg.block_kv) - kv_len
-  qp = jnp.pad(query, ((0, 0), (0, pad_q), (0, 0), (0, 0)))
-  kp = jnp.pad(key, ((0, 0), (0, pad_kv), (0, 0), (0, 0)))
-  vp = jnp.pad(value, ((0, 0), (0, pad_kv), (0, 0), (0, 0)))
+  qp, kp, vp, q_lengths, kv_lengths = mask_lib.pad_to_tiles(
+      query, key, value, q_lengths, kv_lengths, cfg.block_q, cfg.block_kv)
   out, lse = _attention(cfg, qp, kp, vp, q_lengths, kv_lengths)
   return out[:, :q_len], lse[:, :, :q_len]
 

@@ -146,3 +146,26 @@ def q_full_range(spec: MaskSpec, kv_start, block_kv: int, block_q: int, lo, hi):
   """Within [lo, hi) from `q_block_range`, the query blocks whose tile with this key block needs
   no positional mask (key lengths are the caller's business: they concern the key tile itself)."""
   return _full_range(kv_start, block_kv, block_q, lo, hi, spec.right, spec.left, None)
+
+
+def round_up(x: int, multiple: int) -> int:
+  return (x + multiple - 1) // multiple * multiple
+
+
+def pad_to_tiles(query, key, value, q_lengths, kv_lengths, q_multiple: int, kv_multiple: int):
+  """Pad the sequence axes of [batch, seq, heads, head_dim] inputs to whole tiles.
+
+  Returns the padded query, key and value and int32 [batch] lengths, defaulted to and clamped at
+  the real lengths, so that the length test of `visible` hides the padded rows and keys.
+  """
+  batch, q_len = query.shape[:2]
+  kv_len = key.shape[1]
+  q_lengths = jnp.full((batch,), q_len, jnp.int32) if q_lengths is None else q_lengths
+  kv_lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths
+
+  def pad(x, multiple):
+    extra = round_up(x.shape[1], multiple) - x.shape[1]
+    return x if extra == 0 else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
+
+  return (pad(query, q_multiple), pad(key, kv_multiple), pad(value, kv_multiple),
+          jnp.clip(q_lengths, 0, q_len), jnp.clip(kv_lengths, 0, kv_len))

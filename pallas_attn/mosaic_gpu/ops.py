@@ -30,10 +30,6 @@ class _Static:
   dkv_cfg: config_lib.KernelConfig
 
 
-def _round_up(x: int, m: int) -> int:
-  return (x + m - 1) // m * m
-
-
 def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
               interpret: bool = False, fwd_cfg: config_lib.KernelConfig | None = None):
   """q [B, T, Hq, D], k/v [B, S, Hkv, D] (bf16/f16), lengths int32 [B] or None.
@@ -41,27 +37,18 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
 
   Returns (out [B, T, Hq, D], lse [B, Hq, T] float32 with +inf on rows that saw no key).
   """
-  batch, q_len, _, head_dim = q.shape
-  kv_len = k.shape[1]
+  q_len, head_dim = q.shape[1], q.shape[-1]
   static = _Static(
       scale=scale, spec=spec, interpret=interpret,
       fwd_cfg=fwd_cfg or config_lib.forward_config(head_dim), dq_cfg=config_lib.dq_config(head_dim),
       dkv_cfg=config_lib.dkv_config(head_dim))
-  # Pad both sequences to whole tiles of every kernel; padded rows and keys are then hidden by
-  # the length tests (lengths are clamped to the real lengths).
+  # Pad both sequences to whole tiles of every kernel (padded rows and keys fail the length test).
   q_multiple = math.lcm(_WGS * static.fwd_cfg.block_q, _WGS * static.dq_cfg.block_q,
                         static.dkv_cfg.block_q)
   kv_multiple = math.lcm(static.fwd_cfg.block_kv, static.dq_cfg.block_kv,
                          _WGS * static.dkv_cfg.block_kv)
-  pad_q = _round_up(q_len, q_multiple) - q_len
-  pad_kv = _round_up(kv_len, kv_multiple) - kv_len
-  q_lengths = jnp.full((batch,), q_len, jnp.int32) if q_lengths is None else q_lengths
-  kv_lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths
-  q_lengths = jnp.clip(q_lengths, 0, q_len)
-  kv_lengths = jnp.clip(kv_lengths, 0, kv_len)
-  pad = lambda x, n: x if n == 0 else jnp.pad(x, ((0, 0), (0, n), (0, 0), (0, 0)))
-  out, lse = _attention(static, pad(q, pad_q), pad(k, pad_kv), pad(v, pad_kv), q_lengths,
-                        kv_lengths)
+  out, lse = _attention(static, *mask_lib.pad_to_tiles(q, k, v, q_lengths, kv_lengths,
+                                                       q_multiple, kv_multiple))
   return out[:, :q_len], lse[:, :, :q_len]
 
 
