@@ -1,0 +1,1 @@
+"""Runnable examples of pallas_attn in models (`python -m examples.<name>` from the repo root)."""
