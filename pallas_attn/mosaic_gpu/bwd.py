@@ -10,8 +10,9 @@ With delta = rowsum(dO * O) precomputed, dS = P * (dP - delta) where dP = dO V^T
   lse and delta tiles for every query head of the GQA group and every visible query block; each
   compute warpgroup accumulates dV = P^T dO and dK = scale * dS^T Q for its key rows, summed over
   the group in registers (no per-query-head copy of dK/dV).
-Block skipping and end-of-range masking follow `mask`, exactly as in the forward kernel. Rows
-whose lse is +inf (no visible key, or past their query length) get P = 0 and no gradient.
+Block skipping and end-of-range masking follow `mask`, and the score modifiers `mods`, exactly
+as in the forward kernel; with a soft-cap, dS is multiplied by the cap's derivative. Rows whose
+lse is +inf (no visible key, or past their query length) get P = 0 and no gradient.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_attn import mask as mask_lib
 from pallas_attn.mosaic_gpu import common
 from pallas_attn.mosaic_gpu import config as config_lib
+from pallas_attn.mosaic_gpu import mods as mods_lib
 
 _WGS = config_lib.COMPUTE_WARPGROUPS
 
@@ -42,11 +44,11 @@ def _masked_loops(lo, full_lo, full_hi, hi, step, carry):
 # dQ
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, dq_ref,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_refs, dq_ref,
                q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_staging,
                q_full, k_full, v_full, k_free, v_free, *,
                spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-               num_kv_blocks: int, groups: int):
+               num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -83,6 +85,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, dq_r
     full_lo, full_hi = mask_lib.kv_full_range(spec, q_start, block_q, block_kv, lo, hi,
                                               kv_length)
     slot_of = lambda j: lax.rem(j - cta_lo, stages)
+    scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch, head=head,
+                                        row_start=q_start, rows=block_q, kv_length=kv_length)
     for i in range(4):
       plgpu.barrier_wait(q_full.at[wg * 4 + i])
     lse2 = plgpu.load(lse_smem.at[wg], (), layout=common.WGMMA_ROW) * common.LOG2E
@@ -94,17 +98,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, dq_r
 
     def step(j, dq, *, masked: bool):
       slot = slot_of(j)
+      cols = scores.columns(j, block_kv)
       plgpu.barrier_wait(k_full.at[slot])
       s = common.matmul(q_smem.at[wg], k_smem.at[slot].T, (block_q, block_kv))
-      s = s * (scale * common.LOG2E)
-      if masked:
-        keep = common.tile_mask(spec, block_q, block_kv, q_start, j * block_kv, kv_length)
-        s = jnp.where(keep, s, -jnp.inf)
+      s, tanh_s = scores(s, cols, masked=masked)
       p = jnp.exp2(s - common.broadcast_rows(lse2, s.shape))  # [block_q, block_kv]
       plgpu.barrier_wait(v_full.at[slot])
       dp = common.matmul(do_smem.at[wg], v_smem.at[slot].T, (block_q, block_kv))
       plgpu.barrier_arrive(v_free.at[slot])
-      ds = p * (dp - common.broadcast_rows(delta, dp.shape))
+      ds = mods_lib.soft_cap_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), tanh_s)
       dq = common.matmul_acc(dq, ds.astype(dtype), k_smem.at[slot],
                              ds_staging[0].at[wg] if ds_staging else None)
       plgpu.barrier_arrive(k_free.at[slot])
@@ -122,12 +124,15 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, dq_r
 
 
 def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
-       cfg: config_lib.KernelConfig, interpret: bool):
+       cfg: config_lib.KernelConfig, interpret: bool,
+       mods: mods_lib.KernelMods = mods_lib.KernelMods(),
+       mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays()):
   """dQ [B, T, Hq, D] in q.dtype. Shapes as in `fwd.forward`; lse, delta [B, Hq, T] float32."""
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   kernel = functools.partial(_dq_kernel, spec=spec, scale=scale, cfg=cfg,
-                             num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv)
+                             num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
+                             mods=mods)
   tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=common.TILE_TRANSFORMS)
   return plgpu.kernel(
       kernel,
@@ -152,16 +157,17 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
       thread_name="wg",
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(interpret),
-  )(q, k, v, d_out, lse, delta, kv_lengths)
+  )(q, k, v, d_out, lse, delta, kv_lengths, mod_arrays)
 
 
 # ---------------------------------------------------------------------------------------------
 # dK / dV
 
 
-def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref,
+def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref, mod_refs,
                 *refs, spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-                num_q_blocks: int, groups: int, outputs: tuple[str, ...]):
+                num_q_blocks: int, groups: int, outputs: tuple[str, ...],
+                mods: mods_lib.KernelMods):
   out_refs = dict(zip(outputs, refs[:len(outputs)]))
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, staging,
    kv_full, q_full, do_full, lse_full, delta_full, slot_free) = refs[len(outputs):]
@@ -214,6 +220,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     straddles = kv_start + block_kv > kv_length
     full_lo = jnp.where(straddles, hi, full_lo)
     full_hi = jnp.where(straddles, hi, full_hi)
+    key_scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch,
+                                            row_start=kv_start, rows=block_kv,
+                                            kv_length=kv_length, transposed=True)
     plgpu.barrier_wait(kv_full.at[wg * 2 + 0])
     plgpu.barrier_wait(kv_full.at[wg * 2 + 1])
 
@@ -226,6 +235,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     def one_head(g, carry):
       step_base = g * per_head - cta_lo  # ring step of query block qi is step_base + qi
       slot_of = lambda qi: lax.rem(step_base + qi, stages)
+      # (The query head only matters to ALiBi: don't compute it otherwise.)
+      scores = key_scores.for_head(kv_head * groups + g) if mods.alibi else key_scores
 
       def release(qi, c):
         slot = slot_of(qi)
@@ -236,13 +247,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       def step(qi, acc, *, masked: bool):
         acc = dict(acc)
         slot = slot_of(qi)
+        cols = scores.columns(qi, block_q)
         wait_filled(slot)
         st = common.matmul(k_smem.at[wg], q_smem.at[slot].T, (block_kv, block_q))  # S^T
-        st = st * (scale * common.LOG2E)
-        if masked:
-          keep = common.tile_mask(spec, block_kv, block_q, kv_start, qi * block_q, kv_length,
-                                  transposed=True)
-          st = jnp.where(keep, st, -jnp.inf)
+        st, tanh_st = scores(st, cols, masked=masked)
         lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
         pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
         stage = staging[0].at[wg] if staging else None
@@ -251,7 +259,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         if "dk" in outputs:
           dpt = common.matmul(v_smem.at[wg], do_smem.at[slot].T, (block_kv, block_q))
           delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
-          dst = pt * (dpt - common.broadcast_cols(delta, dpt.shape))
+          dst = mods_lib.soft_cap_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
+                                       tanh_st)
           acc["dk"] = common.matmul_acc(acc["dk"], dst.astype(dtype), q_smem.at[slot], stage)
         plgpu.barrier_arrive(slot_free.at[slot])
         return acc
@@ -275,7 +284,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
 
 def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
-        spec: mask_lib.MaskSpec, cfg: config_lib.KernelConfig, interpret: bool):
+        spec: mask_lib.MaskSpec, cfg: config_lib.KernelConfig, interpret: bool,
+        mods: mods_lib.KernelMods = mods_lib.KernelMods(),
+        mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays()):
   """(dK, dV) [B, S, Hkv, D] in k.dtype, summed over each kv head's query-head group.
 
   When one warpgroup cannot hold both accumulators in registers (`cfg.split_dkv`: head_dim 256,
@@ -286,18 +297,18 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   grads = {}
   for outputs in passes:
     grads.update(zip(outputs, _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
-                                        scale=scale, spec=spec, cfg=cfg, interpret=interpret,
-                                        outputs=outputs)))
+                                        mod_arrays, scale=scale, spec=spec, cfg=cfg,
+                                        interpret=interpret, outputs=outputs, mods=mods)))
   return grads["dk"], grads["dv"]
 
 
-def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale, spec, cfg, interpret,
-              outputs):
+def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, *, scale, spec, cfg,
+              interpret, outputs, mods):
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
                              num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv,
-                             outputs=outputs)
+                             outputs=outputs, mods=mods)
   tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=common.TILE_TRANSFORMS)
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
   return plgpu.kernel(
@@ -321,4 +332,4 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale, spec,
       thread_name="wg",
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(interpret),
-  )(q, k, v, d_out, lse, delta, q_lengths, kv_lengths)
+  )(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays)

@@ -73,16 +73,22 @@ def staging_scratch(interpret: bool, shape, dtype):
   return (plgpu.SMEM(shape, dtype, transforms=TILE_TRANSFORMS),) if interpret else ()
 
 
-def tile_mask(spec: mask_lib.MaskSpec, rows: int, cols: int, row_start, col_start, kv_length,
-              transposed: bool = False):
-  """Visibility of a [rows, cols] score tile in the WGMMA register layout.
-
-  Forward/dQ tiles are [queries, keys]; dK/dV tiles are transposed ([keys, queries]). Queries past
-  their length need no mask here: their lse is +inf, so their probabilities are 0 anyway.
-  """
+def tile_positions(rows: int, cols: int, row_start, col_start, transposed: bool = False):
+  """(query positions, key positions), int32 [rows, cols] in the WGMMA register layout, of a
+  score tile whose first row and column are `row_start` and `col_start`. Forward/dQ tiles are
+  [queries, keys]; dK/dV tiles are transposed ([keys, queries])."""
   row_ids = row_start + plgpu.broadcasted_iota(jnp.int32, (rows, cols), 0, layout=WGMMA)
   col_ids = col_start + plgpu.broadcasted_iota(jnp.int32, (rows, cols), 1, layout=WGMMA)
-  q_pos, kv_pos = (col_ids, row_ids) if transposed else (row_ids, col_ids)
+  return (col_ids, row_ids) if transposed else (row_ids, col_ids)
+
+
+def tile_mask(spec: mask_lib.MaskSpec, positions, kv_length):
+  """Visibility of a score tile at `positions` (from `tile_positions`).
+
+  Queries past their length need no mask here: their lse is +inf, so their probabilities are 0
+  anyway.
+  """
+  q_pos, kv_pos = positions
   return mask_lib.visible(spec, q_pos, kv_pos, None, kv_length)
 
 

@@ -9,7 +9,8 @@ works in base 2 (scale * log2(e) folded into one multiply, exp2 on the SFU).
 Only key blocks that can hold a visible key are loaded (`mask.kv_block_range`: causal, window and
 key-length skipping); element masks are applied only to the tiles at the two ends of that range
 (`mask.kv_full_range`). The producer loads the union of both warpgroups' ranges; a warpgroup
-releases the slots outside its own range without computing on them.
+releases the slots outside its own range without computing on them. Soft-cap, ALiBi and segment
+ids (`mods`) change the logits of every tile when given.
 """
 
 from __future__ import annotations
@@ -26,13 +27,14 @@ from pallas_attn import mask as mask_lib
 from pallas_attn import numerics
 from pallas_attn.mosaic_gpu import common
 from pallas_attn.mosaic_gpu import config as config_lib
+from pallas_attn.mosaic_gpu import mods as mods_lib
 
 
-def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
+def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_ref,
             qo_smem, k_smem, v_smem, lse_smem, p_staging, q_full, k_full, v_full, k_free, v_free,
             schedule, *,
             spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-            num_kv_blocks: int, groups: int):
+            num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -71,6 +73,8 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
     full_lo, full_hi = mask_lib.kv_full_range(spec, q_start, block_q, block_kv, lo, hi,
                                               kv_length)
     slot_of = lambda j: lax.rem(j - cta_lo, stages)
+    scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch, head=head,
+                                        row_start=q_start, rows=block_q, kv_length=kv_length)
 
     def meet():
       """One ping-pong meeting of the two compute warpgroups (no-op without ping-pong)."""
@@ -89,16 +93,14 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
     def step(j, carry, *, masked: bool):
       acc, m_i, l_i = carry
       slot = slot_of(j)
+      cols = scores.columns(j, block_kv)
       plgpu.barrier_wait(k_full.at[slot])
 
       # The first meeting lets the other warpgroup's softmax start once this QK^T is issued.
       s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv),  # [block_q, block_kv]
                         while_running=meet)
       plgpu.barrier_arrive(k_free.at[slot])
-      s = s * (scale * common.LOG2E)
-      if masked:
-        keep = common.tile_mask(spec, block_q, block_kv, q_start, j * block_kv, kv_length)
-        s = jnp.where(keep, s, -jnp.inf)
+      s, _ = scores(s, cols, masked=masked)
       # Online softmax in base 2: rescale the old state by 2^(m_old - m_new).
       m_new = jnp.maximum(m_i, s.max(axis=1))
       alpha = jnp.exp2(m_i - m_new)
@@ -147,9 +149,12 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, out_ref, lse_ref,
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
-            cfg: config_lib.KernelConfig, interpret: bool):
+            cfg: config_lib.KernelConfig, interpret: bool,
+            mods: mods_lib.KernelMods = mods_lib.KernelMods(),
+            mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays()):
   """q [B, T, Hq, D] with T a multiple of 2 * block_q; k, v [B, S, Hkv, D] with S a multiple of
-  block_kv; lengths int32 [B] (clamped to the unpadded lengths).
+  block_kv; lengths int32 [B] (clamped to the unpadded lengths); `mod_arrays` as `mods` says
+  (segment ids padded like q and k).
 
   Returns out [B, T, Hq, D] (q.dtype) and lse [B, Hq, T] float32 (+inf on empty rows).
   """
@@ -157,7 +162,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
   kv_len, heads_kv = k.shape[1], k.shape[2]
   num_q_tiles = q_len // (config_lib.COMPUTE_WARPGROUPS * cfg.block_q)
   kernel = functools.partial(_kernel, spec=spec, scale=scale, cfg=cfg,
-                             num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv)
+                             num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
+                             mods=mods)
   wgs = config_lib.COMPUTE_WARPGROUPS
   tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=common.TILE_TRANSFORMS)
   return plgpu.kernel(
@@ -183,4 +189,4 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
       thread_name="wg",
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(interpret),
-  )(q, k, v, q_lengths, kv_lengths)
+  )(q, k, v, q_lengths, kv_lengths, mod_arrays)
