@@ -38,6 +38,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec
 
+from pallas_attn import api
 from pallas_attn import chunk_kernels
 from pallas_attn import dispatch
 from pallas_attn import numerics
@@ -141,7 +142,8 @@ class _Rows:
     return lax.slice_in_dim(x, self.start, self.start + self.size, axis=axis)
 
   def set(self, x, y, axis: int = 1):
-    """x with these rows replaced by y (a whole-axis `.at[:].set` would be an empty scatter)."""
+    """x with these rows replaced by y. (Not `x.at[:, rows].set(y)`: over the whole axis that
+    traces to a scatter without indices, which crashed XLA's CPU compiler.)"""
     return y if y.shape == x.shape else lax.dynamic_update_slice_in_dim(x, y, self.start, axis)
 
   def add(self, x, y, axis: int = 1):
@@ -342,8 +344,10 @@ def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
     query, key, value = ring.shard_map(_to_zigzag_shards, ("seq",) * 3, ("seq",) * 3)(
         query, key, value)
   full = lambda n: jnp.full((batch,), n, jnp.int32)
-  q_lengths = full(q_len) if query_seq_lengths is None else query_seq_lengths
-  kv_lengths = full(kv_len) if key_value_seq_lengths is None else key_value_seq_lengths
+  q_lengths = api._check_lengths("query_seq_lengths", query_seq_lengths, batch)  # pylint: disable=protected-access
+  kv_lengths = api._check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)  # pylint: disable=protected-access
+  q_lengths = full(q_len) if q_lengths is None else q_lengths
+  kv_lengths = full(kv_len) if kv_lengths is None else kv_lengths
   out, lse = _ring_attention(ring, query, key, value, q_lengths, kv_lengths)
   if query_seq_lengths is not None or key_value_seq_lengths is not None:
     # Rows can be empty only with lengths: give them jax.nn's values, as `attention` does.

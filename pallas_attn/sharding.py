@@ -11,10 +11,11 @@ independent across batch elements and kv heads, so each device can run the pass 
   `jax.experimental.custom_partitioning` with a Shardy sharding rule; the partitioner calls back at
   compile time with the shardings it chose, and gets `fn` to run on each shard.
 
-Either way the batch axis keeps the mesh axes it is sharded over, and the head axes keep theirs
-when the kv heads divide by them: a kv head and its group of query heads (GQA) stay on one device;
-with a single kv head (MQA) only the query heads are split. Any other split is undone (the
-partitioner gathers it): a pass needs whole sequences and whole head_dim vectors
+Either way the query's sharding decides (k, v and the rest follow it): its batch axis keeps the
+mesh axes it is split over, and its head axis keeps them when the kv heads divide by them, so that
+a kv head and its group of query heads (GQA) stay on one device; with a single kv head (MQA) only
+the query heads are split, and the devices' shares of dK/dV are summed. Any other split is undone
+(the partitioner gathers it): a pass needs whole sequences and whole head_dim vectors
 (`pallas_attn.ring_attention` is the way to split sequences).
 
 The portable `blocked_jax` path needs none of this: it is plain JAX, which XLA partitions itself.

@@ -6,8 +6,9 @@ and its mirror from the end: every device then holds the same share of the causa
 zigzag order the chunks run 0, 2P-1, 1, 2P-2, ..., P-1, P, so that splitting the zigzag-ordered
 sequence into P contiguous shards gives each device its pair.
 
-- `positions`, `to_zigzag`, `from_zigzag`: whole arrays (on the host, or under `jit`), for data
-  kept in zigzag order (token ids, positions, labels).
+- `positions`, `to_zigzag`, `from_zigzag`: whole arrays, for data kept in zigzag order (token
+  ids, positions, labels), permuted once on the host or at the input of a program (a gather: on
+  arrays already split over the sequence, use the two below or ring_attention's own layout).
 - `shard_to_zigzag`, `shard_from_zigzag`: inside `shard_map`, one device's shard of the naturally
   ordered sequence (device i holds chunks 2i and 2i+1) to its zigzag pair and back, with two
   collective permutes and no gather. Every device holds one even and one odd chunk in both
