@@ -1,9 +1,12 @@
 """pallas_attn: exact FlashAttention for JAX, as Pallas Mosaic GPU kernels with a portable path."""
 
+from pallas_attn import zigzag
 from pallas_attn.api import attention
 from pallas_attn.flax_adapter import flax_attention_fn
 from pallas_attn.mask import MaskSpec
 from pallas_attn.reference import reference_attention
+from pallas_attn.ring import ring_attention
 
-__all__ = ["attention", "flax_attention_fn", "MaskSpec", "reference_attention"]
+__all__ = ["attention", "flax_attention_fn", "MaskSpec", "reference_attention", "ring_attention",
+           "zigzag"]
 __version__ = "0.1.0"

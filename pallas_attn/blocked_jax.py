@@ -47,14 +47,60 @@ def attention(query, key, value, q_lengths, kv_lengths, *, scale: float,
 
   Returns (out [B, T, Hq, D] in the input dtype, lse [B, Hq, T] float32, +inf on empty rows).
   """
+  cfg = _config(query, key, scale, spec, block_q, block_kv)
+  return _attention(cfg, query, key, value, q_lengths, kv_lengths)
+
+
+def forward(query, key, value, q_lengths, kv_lengths, *, scale: float,
+            spec: mask_lib.MaskSpec, block_q: int | None = None, block_kv: int | None = None):
+  """The forward pass alone (not differentiable), for callers that merge partial attentions over
+  key chunks by their lse (`pallas_attn.ring`). Arguments as `attention`.
+
+  Returns (out [B, T, Hq, D] float32, lse [B, Hq, T] float32, +inf on empty rows).
+  """
+  return _forward_pass(_config(query, key, scale, spec, block_q, block_kv), query, key, value,
+                       q_lengths, kv_lengths)
+
+
+def backward(query, key, value, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
+             spec: mask_lib.MaskSpec, block_q: int | None = None, block_kv: int | None = None):
+  """The backward pass alone (not differentiable), from the caller's lse and delta.
+
+  lse [B, Hq, T] float32 is the log-sum-exp of each query row's whole softmax, which may span keys
+  outside `key` (exp(s - lse) are then these keys' exact probabilities); +inf marks rows that see
+  no key. delta [B, Hq, T] float32 is `numerics.delta(d_out, out)` of the whole output.
+  Other arguments as `attention`; d_out like query.
+
+  Returns (dq [B, T, Hq, D], dk, dv [B, S, Hkv, D]) in the input dtype, dk/dv summed over each
+  kv head's group of query heads.
+  """
+  return _backward_pass(_config(query, key, scale, spec, block_q, block_kv), query, key, value,
+                        d_out, lse, delta, q_lengths, kv_lengths)
+
+
+def _config(query, key, scale, spec, block_q, block_kv) -> BlockedConfig:
   q_len, kv_len = query.shape[1], key.shape[1]
   default_q, default_kv = default_blocks(q_len, kv_len)
-  cfg = BlockedConfig(scale=scale, spec=spec, block_q=block_q or default_q,
-                      block_kv=block_kv or default_kv, q_len=q_len, kv_len=kv_len)
+  return BlockedConfig(scale=scale, spec=spec, block_q=block_q or default_q,
+                       block_kv=block_kv or default_kv, q_len=q_len, kv_len=kv_len)
+
+
+def _forward_pass(cfg: BlockedConfig, query, key, value, q_lengths, kv_lengths):
+  """`_forward` on inputs padded to whole blocks; the padding is cut from the results."""
   qp, kp, vp, q_lengths, kv_lengths = mask_lib.pad_to_tiles(
       query, key, value, q_lengths, kv_lengths, cfg.block_q, cfg.block_kv)
-  out, lse = _attention(cfg, qp, kp, vp, q_lengths, kv_lengths)
-  return out[:, :q_len], lse[:, :, :q_len]
+  out, lse = _forward(cfg, qp, kp, vp, q_lengths, kv_lengths)
+  return out[:, :cfg.q_len], lse[:, :, :cfg.q_len]
+
+
+def _backward_pass(cfg: BlockedConfig, query, key, value, d_out, lse, delta, q_lengths,
+                   kv_lengths):
+  """`_backward` on inputs padded to whole blocks; the padding is cut from the gradients."""
+  qp, kp, vp, q_lengths, kv_lengths = mask_lib.pad_to_tiles(
+      query, key, value, q_lengths, kv_lengths, cfg.block_q, cfg.block_kv)
+  d_out, lse, delta = mask_lib.pad_row_inputs(d_out, lse, delta, cfg.block_q)
+  dq, dk, dv = _backward(cfg, qp, kp, vp, d_out, lse, delta, q_lengths, kv_lengths)
+  return dq[:, :cfg.q_len], dk[:, :cfg.kv_len], dv[:, :cfg.kv_len]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,14 +204,11 @@ def _probs_and_ds(cfg, q_tile, k_tile, v_tile, do_tile, lse_tile, delta_tile, q_
   return p, ds
 
 
-def _backward(cfg: BlockedConfig, res, d_out):
-  q, k, v, out, lse, q_lengths, kv_lengths = res
+def _backward(cfg: BlockedConfig, q, k, v, d_out, lse, delta, q_lengths, kv_lengths):
   batch, t_pad, heads_q, head_dim = q.shape
   s_pad, heads_kv = k.shape[1], k.shape[2]
   num_q_blocks = t_pad // cfg.block_q
   num_kv_blocks = s_pad // cfg.block_kv
-  # delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij: the softmax Jacobian's correction term.
-  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
   hi_prec = dict(preferred_element_type=jnp.float32, precision=lax.Precision.HIGHEST)
 
   def dq_block(qi):
@@ -215,17 +258,17 @@ def _backward(cfg: BlockedConfig, res, d_out):
   dk, dv = lax.map(dkv_block, jnp.arange(num_kv_blocks))
   dk = dk.transpose(1, 0, 2, 3, 4).reshape(k.shape)
   dv = dv.transpose(1, 0, 2, 3, 4).reshape(v.shape)
-  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None
+  return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(cfg, q, k, v, q_lengths, kv_lengths):
-  out, lse = _forward(cfg, q, k, v, q_lengths, kv_lengths)
+  out, lse = _forward_pass(cfg, q, k, v, q_lengths, kv_lengths)
   return out.astype(q.dtype), lse
 
 
 def _attention_fwd(cfg, q, k, v, q_lengths, kv_lengths):
-  out, lse = _forward(cfg, q, k, v, q_lengths, kv_lengths)
+  out, lse = _forward_pass(cfg, q, k, v, q_lengths, kv_lengths)
   # The float32 output is kept for delta = rowsum(dO * O): from the bf16/f16 output, delta's
   # rounding error is amplified in dS = P (dP - delta) when the softmax is peaked (dq then misses
   # the 2x-of-reference bound). O(N) memory, like the output itself.
@@ -233,8 +276,11 @@ def _attention_fwd(cfg, q, k, v, q_lengths, kv_lengths):
 
 
 def _attention_bwd(cfg, res, cotangents):
+  q, k, v, out, lse, q_lengths, kv_lengths = res
   d_out, _ = cotangents  # the lse is returned under stop_gradient
-  return _backward(cfg, res, d_out)
+  dq, dk, dv = _backward_pass(cfg, q, k, v, d_out, lse, numerics.delta(d_out, out), q_lengths,
+                              kv_lengths)
+  return dq, dk, dv, None, None
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)

@@ -163,9 +163,23 @@ def pad_to_tiles(query, key, value, q_lengths, kv_lengths, q_multiple: int, kv_m
   q_lengths = jnp.full((batch,), q_len, jnp.int32) if q_lengths is None else q_lengths
   kv_lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths
 
-  def pad(x, multiple):
-    extra = round_up(x.shape[1], multiple) - x.shape[1]
-    return x if extra == 0 else jnp.pad(x, ((0, 0), (0, extra), (0, 0), (0, 0)))
-
+  pad = lambda x, multiple: _pad_axis(x, 1, multiple)
   return (pad(query, q_multiple), pad(key, kv_multiple), pad(value, kv_multiple),
           jnp.clip(q_lengths, 0, q_len), jnp.clip(kv_lengths, 0, kv_len))
+
+
+def pad_row_inputs(d_out, lse, delta, q_multiple: int):
+  """Pad the backward pass's per-query-row inputs to whole tiles, as `pad_to_tiles` pads the query:
+  d_out [batch, q_len, heads, head_dim] with zeros, lse and delta [batch, heads, q_len] with +inf
+  and zeros, so that a padded row's recomputed probabilities exp(s - lse) are exactly 0."""
+  return (_pad_axis(d_out, 1, q_multiple), _pad_axis(lse, 2, q_multiple, float("inf")),
+          _pad_axis(delta, 2, q_multiple))
+
+
+def _pad_axis(x, axis: int, multiple: int, value=0):
+  extra = round_up(x.shape[axis], multiple) - x.shape[axis]
+  if extra == 0:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, extra)
+  return jnp.pad(x, widths, constant_values=value)

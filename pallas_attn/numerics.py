@@ -69,3 +69,32 @@ def finalize_empty_rows(out: jax.Array, lse: jax.Array, value: jax.Array,
     row_valid = jnp.arange(q_len)[None, :] < q_lengths[:, None]
     out = out * row_valid[:, :, None, None].astype(out.dtype)
   return out, lse
+
+
+def delta(d_out: jax.Array, out: jax.Array) -> jax.Array:
+  """delta_i = rowsum(dO_i * O_i) = sum_j P_ij dP_ij, the softmax Jacobian's correction term of the
+  backward pass (dS = P * (dP - delta)). d_out, out: [batch, q_len, heads, head_dim]; returns
+  [batch, heads, q_len] float32. Pass the float32 output where there is one: from a bf16/f16 output,
+  the rounding of delta is amplified in dS when the softmax is peaked."""
+  return jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
+
+
+def merge_partials(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array,
+                   lse_b: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Attention over the union of two disjoint key sets, from the attention over each.
+
+  out: [batch, q_len, heads, head_dim] float32; lse: [batch, heads, q_len] float32, +inf on rows
+  that saw no key of that set. Each output is weighted by its share of the softmax mass,
+  exp(lse_x - lse), with lse = log(exp(lse_a) + exp(lse_b)). A row empty in both sets stays
+  empty (zero output, lse +inf) instead of becoming 0/0.
+  """
+  neg_a = jnp.where(lse_a == EMPTY_LSE, -jnp.inf, lse_a)  # an empty set adds exp(-inf) = 0
+  neg_b = jnp.where(lse_b == EMPTY_LSE, -jnp.inf, lse_b)
+  m = jnp.maximum(neg_a, neg_b)
+  empty = m == -jnp.inf
+  m = jnp.where(empty, 0.0, m)
+  w_a, w_b = jnp.exp(neg_a - m), jnp.exp(neg_b - m)
+  total = jnp.where(empty, 1.0, w_a + w_b)
+  lse = jnp.where(empty, EMPTY_LSE, m + jnp.log(total))
+  row = lambda w: jnp.swapaxes(w / total, 1, 2)[..., None]  # [B, H, T] -> [B, T, H, 1]
+  return out_a * row(w_a) + out_b * row(w_b), lse

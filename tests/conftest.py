@@ -5,6 +5,7 @@
   test and parametrization, identical from run to run, so a failure reproduces).
 - tests/ is put on sys.path so that `import cases` works under any --import-mode.
 - CPU-only runs compile with fewer LLVM optimizations (see below): compile time dominates.
+- The CPU backend has 8 (simulated) devices, for the multi-device tests (`multidevice.py`).
 Nothing here skips tests: the `gpu` marker is deselected by pyproject's addopts, not skipped.
 """
 
@@ -30,6 +31,13 @@ if os.environ.get("PALLAS_ATTN_TEST_FULL_OPT") != "1" and not _has_gpu_plugin():
     if _flag.split("=")[0] not in _flags:
       _flags = f"{_flags} {_flag}".strip()
   os.environ["XLA_FLAGS"] = _flags
+
+# The multi-device tests (test_sharding.py, test_ring.py) run on simulated CPU devices, which XLA
+# makes when asked before it creates the CPU backend. Tests on one device use the first one and
+# see no difference.
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+  os.environ["XLA_FLAGS"] = (f"{os.environ.get('XLA_FLAGS', '')} "
+                             f"--xla_force_host_platform_device_count=8").strip()
 
 from pallas_attn import interpreter_threads  # noqa: E402
 

@@ -194,3 +194,22 @@ def test_notebook_runs_in_its_small_cpu_mode():
   assert sum("image/png" in o.get("data", {}) for o in outputs) >= 5
   text = "".join(o.get("text", "") for o in outputs)
   assert "rows from small.jsonl" in text and "max err fwd" in text
+
+
+def test_ring_benchmark_cpu_smoke(tmp_path):
+  """benchmarks.ring in its CPU mode (simulated devices, the portable path): every variant is
+  timed, and the summary derives speedup, efficiency and overlap from them."""
+  from benchmarks import ring  # pylint: disable=import-outside-toplevel
+  out = tmp_path / "ring.jsonl"
+  rows = ring.main(["--cpu-smoke", "--devices", "1,2", "--passes", "fwd", "--quiet",
+                    "--out", str(out)])
+  assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+  timed = [r for r in rows if r["kind"] == "ring"]
+  assert {(r["devices"], r["variant"]) for r in timed} == {
+      (1, "single"), (1, "ring"), (2, "ring"), (2, "compute_only"), (2, "comm_only")}
+  for r in timed:
+    assert r["error"] is None and r["ms"] > 0, r
+  summary = {r["devices"]: r for r in rows if r["kind"] == "ring_summary"}
+  assert summary[2]["speedup"] > 0 and summary[2]["scaling_efficiency"] > 0
+  assert summary[2]["exposed_comm_ms"] is not None
+  assert summary[2]["overlap"] is None or 0.0 <= summary[2]["overlap"] <= 1.0

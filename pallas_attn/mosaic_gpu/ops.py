@@ -1,5 +1,9 @@
 """The differentiable Mosaic GPU attention: padding to whole tiles, the forward kernel, and a
-`jax.custom_vjp` whose backward pass runs the dQ and dK/dV kernels."""
+`jax.custom_vjp` whose backward pass runs the dQ and dK/dV kernels. `forward` and `backward` are
+the two passes alone (the backward from a caller's lse and delta), for `pallas_attn.ring`.
+
+The custom_vjp runs each pass through `sharding.batch_head_parallel`: the kernels are custom calls
+that XLA's partitioner would otherwise replicate (gathering q, k and v) under a sharded `jit`."""
 
 from __future__ import annotations
 
@@ -8,9 +12,10 @@ import functools
 import math
 
 import jax
-import jax.numpy as jnp
 
 from pallas_attn import mask as mask_lib
+from pallas_attn import numerics
+from pallas_attn import sharding
 from pallas_attn.mosaic_gpu import bwd
 from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import fwd
@@ -31,6 +36,25 @@ class _Static:
   dkv_cfg: config_lib.KernelConfig
   mods: mods_lib.KernelMods = mods_lib.KernelMods()
 
+  # Both sequences are padded to whole tiles of every kernel (padded rows and keys fail the
+  # length test).
+  @property
+  def q_multiple(self) -> int:
+    return math.lcm(_WGS * self.fwd_cfg.block_q, _WGS * self.dq_cfg.block_q, self.dkv_cfg.block_q)
+
+  @property
+  def kv_multiple(self) -> int:
+    return math.lcm(self.fwd_cfg.block_kv, self.dq_cfg.block_kv, _WGS * self.dkv_cfg.block_kv)
+
+
+def _static(head_dim: int, scale: float, spec: mask_lib.MaskSpec, interpret: bool,
+            fwd_cfg: config_lib.KernelConfig | None = None,
+            mods: mods_lib.KernelMods = mods_lib.KernelMods()) -> _Static:
+  return _Static(
+      scale=scale, spec=spec, interpret=interpret,
+      fwd_cfg=fwd_cfg or config_lib.forward_config(head_dim), dq_cfg=config_lib.dq_config(head_dim),
+      dkv_cfg=config_lib.dkv_config(head_dim), mods=mods)
+
 
 def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
               interpret: bool = False, fwd_cfg: config_lib.KernelConfig | None = None,
@@ -43,52 +67,55 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
     logits_soft_cap: static float: logits become cap * tanh(logit / cap).
     q_segment_ids, kv_segment_ids: int [B, T] and [B, S], both or neither: query i sees key j
       only where their ids are equal (packed sequences).
-    alibi_slopes: float32 [Hq]: adds -slope[h] * |i - j| to the scaled logits. Constants: no
-      gradient flows to them, and differentiating with respect to them raises TypeError (use
-      `jax.lax.stop_gradient` on trainable slopes, or the portable path to train them).
+    alibi_slopes: float32 [Hq]: adds -slope[h] * |i + offset - j| to the scaled logits.
+      Constants: no gradient flows to them, and differentiating with respect to them raises
+      TypeError (use `jax.lax.stop_gradient` on trainable slopes, or the portable path to train
+      them).
 
   Returns (out [B, T, Hq, D], lse [B, Hq, T] float32 with +inf on rows that saw no key).
   """
-  q_len, head_dim = q.shape[1], q.shape[-1]
   mods, mod_arrays = mods_lib.from_arguments(q, k, logits_soft_cap, q_segment_ids,
                                              kv_segment_ids, alibi_slopes)
-  static = _Static(
-      scale=scale, spec=spec, interpret=interpret,
-      fwd_cfg=fwd_cfg or config_lib.forward_config(head_dim), dq_cfg=config_lib.dq_config(head_dim),
-      dkv_cfg=config_lib.dkv_config(head_dim), mods=mods)
-  # Pad both sequences to whole tiles of every kernel (padded rows and keys fail the length test).
-  q_multiple = math.lcm(_WGS * static.fwd_cfg.block_q, _WGS * static.dq_cfg.block_q,
-                        static.dkv_cfg.block_q)
-  kv_multiple = math.lcm(static.fwd_cfg.block_kv, static.dq_cfg.block_kv,
-                         _WGS * static.dkv_cfg.block_kv)
-  padded = mask_lib.pad_to_tiles(q, k, v, q_lengths, kv_lengths, q_multiple, kv_multiple)
-  mod_arrays = mod_arrays.padded(padded[0].shape[1], padded[1].shape[1])
-  out, lse = _attention(static, *padded, mod_arrays)
+  static = _static(q.shape[-1], scale, spec, interpret, fwd_cfg, mods)
+  return _attention(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
+
+
+def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
+            interpret: bool = False, fwd_cfg: config_lib.KernelConfig | None = None):
+  """The forward kernel alone (not differentiable), on one device's arrays. Arguments and
+  results as `attention`."""
+  return _forward_pass(_static(q.shape[-1], scale, spec, interpret, fwd_cfg), q, k, v, q_lengths,
+                       kv_lengths)
+
+
+def backward(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
+             spec: mask_lib.MaskSpec, interpret: bool = False):
+  """The dQ and dK/dV kernels alone (not differentiable), on one device's arrays, from the
+  caller's lse and delta [B, Hq, T] float32: lse of each query row's whole softmax (which may span
+  keys outside `k`; +inf marks rows that see no key), delta = `numerics.delta(d_out, out)` of the
+  whole output. Returns (dq [B, T, Hq, D], dk, dv [B, S, Hkv, D]) in the input dtype."""
+  return _backward_pass(_static(q.shape[-1], scale, spec, interpret), q, k, v, d_out, lse, delta,
+                        q_lengths, kv_lengths)
+
+
+def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
+  q_len = q.shape[1]
+  padded = mask_lib.pad_to_tiles(q, k, v, q_lengths, kv_lengths, static.q_multiple,
+                                 static.kv_multiple)
+  mod_arrays = mods_lib.ModArrays(*mod_arrays).padded(padded[0].shape[1], padded[1].shape[1])
+  out, lse = fwd.forward(*padded, scale=static.scale, spec=static.spec, cfg=static.fwd_cfg,
+                         interpret=static.interpret, mods=static.mods, mod_arrays=mod_arrays)
   return out[:, :q_len], lse[:, :, :q_len]
 
 
-def _forward(static: _Static, q, k, v, q_lengths, kv_lengths, mod_arrays):
-  return fwd.forward(q, k, v, q_lengths, kv_lengths, scale=static.scale, spec=static.spec,
-                     cfg=static.fwd_cfg, interpret=static.interpret, mods=static.mods,
-                     mod_arrays=mod_arrays)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, q_lengths, kv_lengths, mod_arrays):
-  return _forward(static, q, k, v, q_lengths, kv_lengths, mod_arrays)
-
-
-def _attention_fwd(static, q, k, v, q_lengths, kv_lengths, mod_arrays):
-  out, lse = _forward(static, q, k, v, q_lengths, kv_lengths, mod_arrays)
-  return (out, lse), (q, k, v, out, lse, q_lengths, kv_lengths, mod_arrays)
-
-
-def _attention_bwd(static, res, cotangents):
-  q, k, v, out, lse, q_lengths, kv_lengths, mod_arrays = res
-  d_out, _ = cotangents  # the lse leaves the API under stop_gradient
-  # delta_i = rowsum(dO_i * O_i): one fused elementwise pass, [B, Hq, T] float32.
-  delta = jnp.einsum("bthd,bthd->bht", d_out.astype(jnp.float32), out.astype(jnp.float32))
-  d_out = d_out.astype(q.dtype)
+def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
+                   *mod_arrays):
+  q_len, kv_len = q.shape[1], k.shape[1]
+  q, k, v, q_lengths, kv_lengths = mask_lib.pad_to_tiles(
+      q, k, v, q_lengths, kv_lengths, static.q_multiple, static.kv_multiple)
+  d_out, lse, delta = mask_lib.pad_row_inputs(d_out.astype(q.dtype), lse, delta,
+                                              static.q_multiple)
+  mod_arrays = mods_lib.ModArrays(*mod_arrays).padded(q.shape[1], k.shape[1])
   common = dict(scale=static.scale, spec=static.spec, interpret=static.interpret,
                 mods=static.mods, mod_arrays=mod_arrays)
   dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg, **common)
@@ -99,9 +126,36 @@ def _attention_bwd(static, res, cotangents):
     dq, q = jax.lax.optimization_barrier((dq, q))
   dk, dv = bwd.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, cfg=static.dkv_cfg,
                    **common)
+  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
+
+
+def _sharded_forward(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
+  return sharding.batch_head_parallel(functools.partial(_forward_pass, static), sharding.FORWARD,
+                                      q, k, v, q_lengths, kv_lengths, *mod_arrays,
+                                      auto_axes=not static.interpret)
+
+
+# mod_arrays: q_segment_ids, kv_segment_ids, alibi_slopes (each None when absent).
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _attention(static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
+  return _sharded_forward(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
+
+
+def _attention_fwd(static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
+  out, lse = _sharded_forward(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
+  return (out, lse), (q, k, v, out, lse, q_lengths, kv_lengths, mod_arrays)
+
+
+def _attention_bwd(static, res, cotangents):
+  q, k, v, out, lse, q_lengths, kv_lengths, mod_arrays = res
+  d_out, _ = cotangents  # the lse leaves the API under stop_gradient
+  dq, dk, dv = sharding.batch_head_parallel(
+      functools.partial(_backward_pass, static), sharding.BACKWARD,
+      q, k, v, d_out, lse, numerics.delta(d_out, out), q_lengths, kv_lengths, *mod_arrays,
+      auto_axes=not static.interpret)
   # No cotangent for the lengths, the segment ids nor the ALiBi slopes (constants: see
   # `mods.constant_slopes`).
-  return dq, dk, dv, None, None, None
+  return (dq, dk, dv, None, None) + (None,) * len(mod_arrays)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
