@@ -6,7 +6,9 @@ from pallas_attn.flax_adapter import flax_attention_fn
 from pallas_attn.mask import MaskSpec
 from pallas_attn.reference import reference_attention
 from pallas_attn.ring import ring_attention
+from pallas_attn.score_mods import ScoreArrays
+from pallas_attn.score_mods import ScoreMods
 
 __all__ = ["attention", "flax_attention_fn", "MaskSpec", "reference_attention", "ring_attention",
-           "zigzag"]
+           "ScoreArrays", "ScoreMods", "zigzag"]
 __version__ = "0.1.0"

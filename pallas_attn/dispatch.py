@@ -1,9 +1,15 @@
 """Which implementation serves a call, and the uniform calling convention they share.
 
 Every implementation is called as
-  impl(query, key, value, bias, mask, *, scale, spec, q_lengths, kv_lengths, interpret)
-and returns (out [batch, q_len, heads_q, head_dim] in the input dtype,
+  impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, kv_lengths, interpret)
+with `arrays` a `score_mods.ScoreArrays` (the dynamic bias, mask, segment ids, ALiBi slopes and
+dropout seed, None where absent), `spec` the positional `mask.MaskSpec` and `mods` the static
+`score_mods.ScoreMods`, and returns (out [batch, q_len, heads_q, head_dim] in the input dtype,
 lse [batch, heads_q, q_len] float32 with +inf on rows that saw no key); see `numerics`.
+
+Each implementation declares the optional features it serves (`SUPPORTED_FEATURES`); asking one
+explicitly for a feature it lacks raises NotImplementedError, and `implementation=None` only picks
+an implementation that serves every feature of the call.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import jax.numpy as jnp
 from pallas_attn import blocked_jax
 from pallas_attn import interpreter_threads
 from pallas_attn import reference
+from pallas_attn import score_mods
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,41 +40,82 @@ class AttentionCall:
   has_bias: bool
   has_mask: bool
   interpret: bool = False
+  has_segment_ids: bool = False
+  bottom_right: bool = False  # causal_alignment="bottom_right" on a causal or windowed call
+  has_alibi: bool = False
+  alibi_per_batch: bool = False  # alibi_slopes of shape (batch, heads_q) with batch > 1
+  has_soft_cap: bool = False
+  has_dropout: bool = False
+  has_mask_fn: bool = False
+  has_score_fn: bool = False
+
+  def features(self) -> tuple[str, ...]:
+    """The optional features this call uses, named as `attention`'s arguments."""
+    flags = dict(bias=self.has_bias, mask=self.has_mask, segment_ids=self.has_segment_ids,
+                 causal_alignment=self.bottom_right, alibi_slopes=self.has_alibi,
+                 alibi_slopes_per_batch=self.alibi_per_batch,
+                 logits_soft_cap=self.has_soft_cap, dropout_rate=self.has_dropout,
+                 mask_fn=self.has_mask_fn, score_fn=self.has_score_fn)
+    return tuple(name for name, used in flags.items() if used)
 
 
-def _reference_impl(query, key, value, bias, mask, *, scale, spec, q_lengths, kv_lengths,
+_ALL_FEATURES = frozenset(("bias", "mask", "segment_ids", "causal_alignment", "alibi_slopes",
+                           "alibi_slopes_per_batch", "logits_soft_cap", "dropout_rate", "mask_fn",
+                           "score_fn"))
+# The optional features each implementation serves. The Mosaic GPU kernels take their masking
+# from `mask.py` (block ranges and `tile_mask` -> `mask.visible`), which folds the alignment
+# offset in; segment ids, one ALiBi slope per query head (constants there: differentiating them
+# raises, see `mosaic_gpu.mods.constant_slopes`) and the soft-cap are computed in the kernels
+# (`mosaic_gpu.mods`). Bias, boolean masks, dropout and mask_fn/score_fn are not in the kernels
+# yet: the portable path serves them.
+SUPPORTED_FEATURES = {
+    "mosaic_gpu": frozenset(("causal_alignment", "segment_ids", "alibi_slopes",
+                             "logits_soft_cap")),
+    "blocked_jax": _ALL_FEATURES,
+    "reference": _ALL_FEATURES,
+}
+
+
+def unsupported_features(call: AttentionCall, implementation: str) -> tuple[str, ...]:
+  """The features of `call` that `implementation` does not serve (empty when it serves all)."""
+  return tuple(f for f in call.features() if f not in SUPPORTED_FEATURES[implementation])
+
+
+def _reference_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, kv_lengths,
                     interpret):
   del interpret
-  out, lse = reference.reference_attention(query, key, value, bias, mask, scale=scale, spec=spec,
-                                           q_lengths=q_lengths, kv_lengths=kv_lengths)
+  out, lse = reference.reference_attention(query, key, value, scale=scale, spec=spec,
+                                           q_lengths=q_lengths, kv_lengths=kv_lengths,
+                                           mods=mods, arrays=arrays)
   # The reference already gives fully masked rows jax.nn's values (its lse is finite there), so
   # the shared post-processing in the API leaves them as they are.
   return out, lse
 
 
-def _no_bias_or_mask(name: str, bias, mask):
-  if bias is not None or mask is not None:
-    what = "bias" if bias is not None else "mask"
-    raise NotImplementedError(
-        f"implementation={name!r} does not support `{what}` yet; use implementation='reference' "
-        f"or None (which picks it)")
-
-
-def _blocked_jax_impl(query, key, value, bias, mask, *, scale, spec, q_lengths, kv_lengths,
+def _blocked_jax_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, kv_lengths,
                       interpret):
   del interpret
-  _no_bias_or_mask("blocked_jax", bias, mask)
-  return blocked_jax.attention(query, key, value, q_lengths, kv_lengths, scale=scale, spec=spec)
+  return blocked_jax.attention(query, key, value, q_lengths, kv_lengths, arrays, scale=scale,
+                               spec=spec, mods=mods)
 
 
-def _mosaic_gpu_impl(query, key, value, bias, mask, *, scale, spec, q_lengths, kv_lengths,
+def _mosaic_gpu_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, kv_lengths,
                      interpret):
-  _no_bias_or_mask("mosaic_gpu", bias, mask)
+  # `choose` refuses these before tracing; kept here so that no path can drop them silently.
+  kernel_mods = score_mods.ScoreMods(logits_soft_cap=mods.logits_soft_cap)
+  slopes = arrays.alibi_slopes
+  if (mods != kernel_mods or any(x is not None for x in (arrays.bias, arrays.mask,
+                                                          arrays.dropout_seed))
+      or (slopes is not None and slopes.shape[0] != 1)):
+    raise NotImplementedError("implementation='mosaic_gpu' does not support bias, mask, "
+                              "dropout, mask_fn, score_fn or per-batch ALiBi slopes yet")
   if interpret:
     interpreter_threads.warn_if_too_few()
   from pallas_attn.mosaic_gpu import ops  # imported lazily: it pulls in the Mosaic GPU lowering
   return ops.attention(query, key, value, q_lengths, kv_lengths, scale=scale, spec=spec,
-                       interpret=interpret)
+                       interpret=interpret, logits_soft_cap=mods.logits_soft_cap,
+                       q_segment_ids=arrays.q_segment_ids, kv_segment_ids=arrays.kv_segment_ids,
+                       alibi_slopes=None if slopes is None else slopes[0])
 
 
 _IMPLEMENTATIONS = {
@@ -89,8 +137,9 @@ def _has_hopper_gpu() -> bool:
 def mosaic_gpu_unsupported_reason(call: AttentionCall) -> str | None:
   """Why the Mosaic GPU kernels cannot serve `call` (None when they can)."""
   from pallas_attn.mosaic_gpu import config as mgpu_config
-  if call.has_bias or call.has_mask:
-    return "bias/mask are not supported by the Mosaic GPU kernels yet"
+  missing = unsupported_features(call, "mosaic_gpu")
+  if missing:
+    return f"the Mosaic GPU kernels do not support {', '.join(missing)} yet"
   if call.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU kernels take bfloat16 or float16 inputs, got {call.dtype}"
   if call.head_dim not in mgpu_config.SUPPORTED_HEAD_DIMS:
@@ -103,11 +152,20 @@ def mosaic_gpu_unsupported_reason(call: AttentionCall) -> str | None:
 
 
 def choose(call: AttentionCall, implementation: str | None):
-  """The implementation for `call`: the one asked for (checked), or the fastest that applies."""
+  """The implementation for `call`: the one asked for (checked), or the fastest that applies.
+
+  Raises NotImplementedError when the one asked for lacks a feature of the call, ValueError when
+  the Mosaic GPU kernels cannot run it (dtype, head_dim, no Hopper GPU)."""
   if implementation is not None:
     if implementation not in _IMPLEMENTATIONS:
       raise ValueError(f"implementation must be one of {sorted(_IMPLEMENTATIONS)} or None; "
                        f"got {implementation!r}")
+    missing = unsupported_features(call, implementation)
+    if missing:
+      raise NotImplementedError(
+          f"implementation={implementation!r} does not support {', '.join(missing)}; use "
+          f"implementation='blocked_jax' (any backend, O(N) memory) or None, which picks an "
+          f"implementation that does")
     if implementation == "mosaic_gpu":
       reason = mosaic_gpu_unsupported_reason(call)
       if reason is not None:
@@ -115,6 +173,4 @@ def choose(call: AttentionCall, implementation: str | None):
     return _IMPLEMENTATIONS[implementation]
   if mosaic_gpu_unsupported_reason(call) is None:
     return _IMPLEMENTATIONS["mosaic_gpu"]
-  if call.has_bias or call.has_mask:
-    return _IMPLEMENTATIONS["reference"]
-  return _IMPLEMENTATIONS["blocked_jax"]
+  return _IMPLEMENTATIONS["blocked_jax"]  # serves every feature

@@ -3,7 +3,8 @@
 `flax.nnx.MultiHeadAttention(..., attention_fn=pallas_attn.flax_attention_fn)` and
 `flax.linen.MultiHeadDotProductAttention(..., attention_fn=pallas_attn.flax_attention_fn)`.
 Flax calls attention functions with its own keywords (dropout, dtype, precision, module) and
-float masks with any number of leading batch axes; this maps them onto `attention`.
+float masks with any number of leading batch axes; this maps them onto `attention`. Flax's bias
+and mask become `attention`'s (served by the blocked path: no [T, S] weights in memory).
 """
 
 from __future__ import annotations
@@ -24,15 +25,25 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
 
   - dtype: like flax's promote_dtype, q/k/v are cast to `dtype` (or their common dtype).
   - mask: any dtype (nonzero = attend), broadcastable to [batch..., heads, T, S]; cast to bool.
+    bias: broadcastable likewise; both go to `attention` as they are.
   - several leading batch axes are flattened into one (as flax's default does).
-  - precision / force_fp32_for_softmax / broadcast_dropout: the kernels already compute scores and
-    softmax in float32; nothing to do.
-  - dropout on the attention weights and `module` (sowing the weights) need the [T, S] weights,
-    which exact FlashAttention never forms: NotImplementedError.
+  - dropout (dropout_rate > 0 and not deterministic): `attention`'s dropout with dropout_rng.
+    broadcast_dropout=True (Flax's default) shares one keep-mask across batch and heads, as Flax
+    does. Same distribution as Flax's, not the same bits: Flax draws a [T, S] mask with
+    jax.random.bernoulli, pallas_attn hashes each element's indices (`pallas_attn.dropout`), so
+    no mask is ever stored.
+  - precision / force_fp32_for_softmax: the kernels already compute scores and softmax in
+    float32; nothing to do.
+  - `module` (sowing the weights) needs the [T, S] weights, which exact FlashAttention never
+    forms: NotImplementedError.
   """
-  del precision, force_fp32_for_softmax, broadcast_dropout, dropout_rng
+  del precision, force_fp32_for_softmax
+  dropout = {}
   if dropout_rate > 0.0 and not deterministic:
-    raise NotImplementedError("pallas_attn: attention-weight dropout is not supported")
+    if dropout_rng is None:
+      raise ValueError("dropout_rate > 0 with deterministic=False needs a dropout_rng")
+    dropout = dict(dropout_rate=float(dropout_rate), dropout_rng=dropout_rng,
+                   broadcast_dropout=bool(broadcast_dropout))
   if module is not None:
     raise NotImplementedError("pallas_attn: sow_weights needs the attention weights, which "
                               "are never materialized")
@@ -60,6 +71,6 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
   if mask is not None:
     mask = to_4d(jnp.asarray(mask) != 0, (None,) * 3)
   bias = to_4d(bias, (None,) * 3)
-  out = attention(q, k, v, bias, mask, is_causal=is_causal,
-                              implementation=implementation, interpret=interpret)
+  out = attention(q, k, v, bias, mask, is_causal=is_causal, implementation=implementation,
+                  interpret=interpret, **dropout)
   return out.reshape(query.shape[:-1] + value.shape[-1:])

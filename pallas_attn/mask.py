@@ -5,20 +5,38 @@ questions of a `MaskSpec`: is key `j` visible from query `i` (`visible`), and wh
 a visible key for a given query block (`kv_block_range`). Answering both here keeps the three paths
 from drifting apart.
 
-Semantics follow `jax.nn.dot_product_attention` (jax 0.11.2) exactly:
-- `is_causal` is aligned top-left: query i sees key j iff j <= i, with no offset when the query and
-  key lengths differ.
-- `local_window = (left, right)`: query i sees key j iff i - left <= j <= i + right (also top-left).
+Semantics follow `jax.nn.dot_product_attention` (jax 0.11.2) exactly, plus an alignment offset:
+- `offset`: query i sits on the diagonal at key i + offset. 0 is jax.nn's top-left alignment (no
+  shift when the query and key lengths differ); kv_len - q_len is FlashAttention's bottom-right
+  alignment (the last query sits on the last key), see `alignment_offset`.
+- `is_causal`: query i sees key j iff j <= i + offset.
+- `local_window = (left, right)`: query i sees key j iff
+  i + offset - left <= j <= i + offset + right.
 - `q_lengths[b]` / `kv_lengths[b]`: queries at or past q_lengths[b] and keys at or past
-  kv_lengths[b] take no part.
+  kv_lengths[b] take no part. (The offset comes from the array lengths, not from these.)
+
+Also here: per-block bounds of segment ids (packed sequences), which let the blocked path skip
+tiles whose query and key segments cannot meet.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
+
+CausalAlignment = Literal["top_left", "bottom_right"]
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
+
+
+def alignment_offset(alignment: CausalAlignment, q_len: int, kv_len: int) -> int:
+  """The `MaskSpec.offset` of a causal alignment: 0 for "top_left" (jax.nn), kv_len - q_len for
+  "bottom_right" (FlashAttention: query i sees key j iff j <= i + kv_len - q_len)."""
+  if alignment not in CAUSAL_ALIGNMENTS:
+    raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}; got {alignment!r}")
+  return 0 if alignment == "top_left" else kv_len - q_len
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +45,7 @@ class MaskSpec:
 
   is_causal: bool = False
   local_window: tuple[int, int] | None = None
+  offset: int = 0  # query i sits on the diagonal at key i + offset (see the module doc)
 
   def __post_init__(self):
     if self.local_window is not None:
@@ -52,6 +71,16 @@ class MaskSpec:
     """True when position alone (not lengths) can hide a key."""
     return self.left is not None or self.right is not None
 
+  @property
+  def reach_back(self) -> int | None:
+    """Query i sees no key before i - reach_back (None: unbounded); the offset folded in."""
+    return None if self.left is None else self.left - self.offset
+
+  @property
+  def reach_ahead(self) -> int | None:
+    """Query i sees no key after i + reach_ahead (None: unbounded); the offset folded in."""
+    return None if self.right is None else self.right + self.offset
+
 
 def visible(spec: MaskSpec, q_pos: jax.Array, kv_pos: jax.Array,
             q_length=None, kv_length=None) -> jax.Array:
@@ -65,10 +94,10 @@ def visible(spec: MaskSpec, q_pos: jax.Array, kv_pos: jax.Array,
   def both(a, b):
     return b if a is None else a & b
 
-  if spec.right is not None:
-    ok = both(ok, kv_pos <= q_pos + spec.right)
-  if spec.left is not None:
-    ok = both(ok, kv_pos >= q_pos - spec.left)
+  if spec.reach_ahead is not None:
+    ok = both(ok, kv_pos <= q_pos + spec.reach_ahead)
+  if spec.reach_back is not None:
+    ok = both(ok, kv_pos >= q_pos - spec.reach_back)
   if kv_length is not None:
     ok = both(ok, kv_pos < kv_length)
   if q_length is not None:
@@ -123,29 +152,31 @@ def kv_block_range(spec: MaskSpec, q_start, block_q: int, block_kv: int, num_kv_
   [q_start, q_start + block_q). Blocks outside it are skipped entirely (never loaded, never
   multiplied), forward and backward. Works on Python ints and traced int32 scalars alike.
   """
-  return _block_range(q_start, block_q, block_kv, num_kv_blocks, spec.left, spec.right,
-                      kv_length)
+  return _block_range(q_start, block_q, block_kv, num_kv_blocks, spec.reach_back,
+                      spec.reach_ahead, kv_length)
 
 
 def kv_full_range(spec: MaskSpec, q_start, block_q: int, block_kv: int, lo, hi,
                   kv_length=None):
   """Within [lo, hi) from `kv_block_range`, the key blocks that need no element mask."""
-  return _full_range(q_start, block_q, block_kv, lo, hi, spec.left, spec.right, kv_length)
+  return _full_range(q_start, block_q, block_kv, lo, hi, spec.reach_back, spec.reach_ahead,
+                     kv_length)
 
 
 def q_block_range(spec: MaskSpec, kv_start, block_kv: int, block_q: int, num_q_blocks,
                   q_length=None):
   """The half-open range [lo, hi) of query blocks that may see a key in
   [kv_start, kv_start + block_kv): the transpose of `kv_block_range`, used by the dK/dV pass.
-  (Query i sees key j iff j - right <= i <= j + left.)"""
-  return _block_range(kv_start, block_kv, block_q, num_q_blocks, spec.right, spec.left,
-                      q_length)
+  (Query i sees key j iff j - reach_ahead <= i <= j + reach_back.)"""
+  return _block_range(kv_start, block_kv, block_q, num_q_blocks, spec.reach_ahead,
+                      spec.reach_back, q_length)
 
 
 def q_full_range(spec: MaskSpec, kv_start, block_kv: int, block_q: int, lo, hi):
   """Within [lo, hi) from `q_block_range`, the query blocks whose tile with this key block needs
   no positional mask (key lengths are the caller's business: they concern the key tile itself)."""
-  return _full_range(kv_start, block_kv, block_q, lo, hi, spec.right, spec.left, None)
+  return _full_range(kv_start, block_kv, block_q, lo, hi, spec.reach_ahead, spec.reach_back,
+                     None)
 
 
 def round_up(x: int, multiple: int) -> int:
@@ -183,3 +214,29 @@ def _pad_axis(x, axis: int, multiple: int, value=0):
   widths = [(0, 0)] * x.ndim
   widths[axis] = (0, extra)
   return jnp.pad(x, widths, constant_values=value)
+
+
+def segment_block_bounds(segment_ids: jax.Array, block: int, num_blocks: int):
+  """Per-block (min, max) of int32 [batch, seq] segment ids, each [batch, num_blocks].
+
+  Tiles past `seq` repeat the last id, which widens no block's range (those positions are hidden
+  by the length test anyway)."""
+  extra = num_blocks * block - segment_ids.shape[1]
+  ids = jnp.pad(segment_ids, ((0, 0), (0, extra)), mode="edge") if extra else segment_ids
+  ids = ids.reshape(ids.shape[0], num_blocks, block)
+  return ids.min(axis=-1), ids.max(axis=-1)
+
+
+def segment_blocks_meet(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, block_q: int,
+                        block_kv: int, num_q_blocks: int, num_kv_blocks: int) -> jax.Array:
+  """[num_q_blocks, num_kv_blocks] bool: False when, in every batch element, the query block's
+  id range and the key block's id range are disjoint, so no query of the one shares a segment
+  with a key of the other and the whole tile is hidden. O(seq) work and memory.
+
+  Exact for sorted ids (packed sequences: each block holds a run of consecutive segments);
+  unsorted ids stay correct, the ranges just overlap more often and fewer tiles are skipped."""
+  q_min, q_max = segment_block_bounds(q_segment_ids, block_q, num_q_blocks)
+  kv_min, kv_max = segment_block_bounds(kv_segment_ids, block_kv, num_kv_blocks)
+  meet = ((q_min[:, :, None] <= kv_max[:, None, :])  # [batch, num_q_blocks, num_kv_blocks]
+          & (kv_min[:, None, :] <= q_max[:, :, None]))
+  return meet.any(axis=0)

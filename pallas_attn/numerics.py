@@ -25,17 +25,22 @@ M_INIT = float(np.finfo(np.float32).min)
 EMPTY_LSE = float("inf")
 
 
-def online_softmax_step(m_prev, l_prev, acc_prev, s, v_block, probs_dtype):
+def online_softmax_step(m_prev, l_prev, acc_prev, s, v_block, probs_dtype, dropout_keep=None,
+                        keep_scale: float = 1.0):
   """One step of the FlashAttention recurrence over a [rows, block] tile of scores.
 
   m: running max [rows]; l: running sum of exp(s - m) [rows]; acc: unnormalized output
   [rows, head_dim]. When the max grows, the old statistics are rescaled by exp(m_prev - m_new).
   Probabilities are cast to `probs_dtype` before the second matmul, as the kernels and jax.nn do.
+  dropout_keep: optional bool [rows, block]; the running sum (hence the lse) covers every
+  probability, but only the kept ones, times `keep_scale` (1 / (1 - rate)), reach the output.
   """
   m_new = jnp.maximum(m_prev, s.max(axis=-1))
   alpha = jnp.exp(m_prev - m_new)
   p = jnp.exp(s - m_new[..., None])
   l_new = l_prev * alpha + p.sum(axis=-1)
+  if dropout_keep is not None:
+    p = jnp.where(dropout_keep, p * keep_scale, 0.0)
   pv = jnp.einsum("...qk,...kd->...qd", p.astype(probs_dtype), v_block,
                   preferred_element_type=jnp.float32)
   acc_new = acc_prev * alpha[..., None] + pv

@@ -97,6 +97,7 @@ class Case:
   kv_lengths: Sequence[int] | None = None
   dtype: Any = F32
   scale: float | None = None
+  causal_alignment: str = "top_left"  # "bottom_right": jax.nn cannot express it (not compared)
   name: str = ""
 
   def __post_init__(self):
@@ -134,14 +135,23 @@ class Case:
     as_arr = lambda x: None if x is None else jnp.asarray(x, jnp.int32)
     return as_arr(self.q_lengths), as_arr(self.kv_lengths)
 
+  @property
+  def offset(self) -> int:
+    """Query t sits on the diagonal at key t + offset (FlashAttention's bottom-right alignment)."""
+    return self.kv_len - self.q_len if self.causal_alignment == "bottom_right" else 0
+
   def static_kwargs(self) -> dict:
-    """The keyword arguments of `attention` / `jax.nn.dot_product_attention` besides lengths."""
-    return dict(scale=self.scale, is_causal=self.is_causal, local_window_size=self.local_window)
+    """The keyword arguments of `attention` / `jax.nn.dot_product_attention` besides lengths
+    (causal_alignment only when it is not jax.nn's top-left)."""
+    kwargs = dict(scale=self.scale, is_causal=self.is_causal, local_window_size=self.local_window)
+    if self.causal_alignment != "top_left":
+      kwargs["causal_alignment"] = self.causal_alignment
+    return kwargs
 
   # Masks in numpy, straight from the jax.nn definition (independent of pallas_attn.mask).
   def visible(self) -> np.ndarray:
     """[batch, q_len, kv_len] bool: query t of batch b sees key s."""
-    t = np.arange(self.q_len)[:, None]
+    t = np.arange(self.q_len)[:, None] + self.offset
     s = np.arange(self.kv_len)[None, :]
     vis = np.ones((self.q_len, self.kv_len), bool)
     if self.is_causal:
@@ -216,6 +226,18 @@ LARGE_CASES: tuple[Case, ...] = (
 
 ALL_CASES = SMALL_CASES + LARGE_CASES
 
+# FlashAttention's bottom-right alignment (query t sees key s iff s <= t + kv_len - q_len). Not in
+# ALL_CASES: jax.nn, which the shared checks also compare against, has no such option.
+ALIGNMENT_CASES: tuple[Case, ...] = (
+    _c("br_causal_113x203", 1, 113, 203, 2, 2, is_causal=True, causal_alignment="bottom_right"),
+    # T > S: the first 90 rows see no key (mean of v).
+    _c("br_causal_203x113", 1, 203, 113, 2, 2, is_causal=True, causal_alignment="bottom_right"),
+    _c("br_gqa_causal_window_l16_113x203", 2, 113, 203, 4, 2, is_causal=True,
+       local_window=(16, 4), causal_alignment="bottom_right"),
+    _c("br_window_l8_r2_lengths_203x64", 2, 203, 64, 2, 2, local_window=(8, 2),
+       kv_lengths=[64, 30], causal_alignment="bottom_right"),
+)
+
 # Very peaked softmax (logit std 16): the low-precision backward's rounding is amplified by the
 # cancellation in dP - delta. Not in ALL_CASES: see test_blocked_jax.test_peaky_softmax_gradients.
 PEAKY_CASES: tuple[Case, ...] = (
@@ -224,7 +246,7 @@ PEAKY_CASES: tuple[Case, ...] = (
 
 
 def get_case(name: str) -> Case:
-  for case in ALL_CASES + PEAKY_CASES:
+  for case in ALL_CASES + PEAKY_CASES + ALIGNMENT_CASES:
     if case.name == name:
       return case
   raise KeyError(name)
@@ -418,6 +440,7 @@ def check_case(case: Case, implementation: str, interpret: bool = False, seed: i
   """
   dtype = case.dtype
   tol = TOLERANCES[dtype]
+  compare_jax_nn = compare_jax_nn and case.causal_alignment == "top_left"
   inputs = make_inputs(case, seed)
   got = run_attention(case, implementation, inputs, interpret=interpret)
   oracle = run_oracle(case, inputs)

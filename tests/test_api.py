@@ -1,6 +1,8 @@
-"""`pallas_attn.attention` as a drop-in for `jax.nn.dot_product_attention`: argument checking,
-rank-3 inputs, transformations (jit, vmap, grad, remat), dispatch, bias and mask."""
+"""`pallas_attn.attention` as a drop-in for `jax.nn.dot_product_attention`: argument checking
+(the score-modification arguments included), rank-3 inputs, transformations (jit, vmap, grad,
+remat), dispatch, bias and mask."""
 
+import dataclasses
 import functools
 import re
 
@@ -18,22 +20,28 @@ B, T, S, HQ, HKV, D = 2, 17, 23, 4, 2, 64
 
 
 def _sds(shape, dtype=jnp.float32):
-  return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+  key_dtype = jnp.issubdtype(dtype, jax.dtypes.prng_key)  # (jnp.dtype rejects key dtypes)
+  return jax.ShapeDtypeStruct(shape, dtype if key_dtype else jnp.dtype(dtype))
+
+
+_KEY = jax.random.key(0).dtype
 
 
 def _abstract_call(q=(B, T, HQ, D), k=(B, S, HKV, D), v=None, dtype=jnp.float32, *,
                    k_dtype=None, v_dtype=None, bias=None, mask=None, q_lengths=None,
-                   kv_lengths=None, **kwargs):
+                   kv_lengths=None, abstract=None, **kwargs):
   """Call `attention` under jax.eval_shape on abstract inputs: nothing is computed, lowered or
   compiled, so an error raised here is raised while checking the arguments.
-  bias / mask / q_lengths / kv_lengths are (shape, dtype) pairs."""
+  bias / mask / q_lengths / kv_lengths are (shape, dtype) pairs; `abstract` maps any other
+  argument name to a (shape, dtype) pair or a tuple of them (e.g. a segment id pair)."""
   v = k if v is None else v
   arrays = dict(query=_sds(q, dtype), key=_sds(k, k_dtype or dtype),
                 value=_sds(v, v_dtype or dtype))
   for name, spec in (("bias", bias), ("mask", mask), ("query_seq_lengths", q_lengths),
-                     ("key_value_seq_lengths", kv_lengths)):
+                     ("key_value_seq_lengths", kv_lengths), *(abstract or {}).items()):
     if spec is not None:
-      arrays[name] = _sds(*spec)
+      pair_of_specs = isinstance(spec[0], tuple) and isinstance(spec[1], tuple)
+      arrays[name] = tuple(_sds(*s) for s in spec) if pair_of_specs else _sds(*spec)
   return jax.eval_shape(lambda arrays: pallas_attn.attention(**arrays, **kwargs), arrays)
 
 
@@ -99,7 +107,63 @@ BAD_INPUTS = [
      r"mosaic_gpu.*head_dim.*40"),
     ("mosaic_bias", dict(dtype=jnp.bfloat16, bias=((1, 1, T, S), jnp.bfloat16),
                          implementation="mosaic_gpu", interpret=True),
-     ValueError, r"mosaic_gpu.*bias"),
+     NotImplementedError, r"implementation='mosaic_gpu' does not support bias"),
+    # The score-modification arguments.
+    ("segment_ids_single_needs_equal_lengths", dict(abstract=dict(segment_ids=((B, T), jnp.int32))),
+     ValueError, rf"single segment_ids array needs q_len == kv_len \(got {T} and {S}\)"),
+    ("segment_ids_float", dict(q=(B, T, HQ, D), k=(B, T, HKV, D),
+                               abstract=dict(segment_ids=((B, T), jnp.float32))),
+     TypeError, r"segment_ids must be int32; got float32"),
+    ("q_segment_ids_wrong_shape", dict(abstract=dict(segment_ids=(((B, S), jnp.int32),
+                                                                  ((B, S), jnp.int32)))),
+     ValueError, rf"q_segment_ids must have shape \(batch, seq\) = \({B}, {T}\); got "
+     + _shape_re((B, S))),
+    ("segment_ids_triple", dict(abstract=dict(segment_ids=(((B, T), jnp.int32),) * 3)),
+     ValueError, r"segment_ids must be one array or a pair.*3"),
+    ("bad_alignment", dict(causal_alignment="bottom_left"), ValueError,
+     r"causal_alignment must be one of \('top_left', 'bottom_right'\); got 'bottom_left'"),
+    ("soft_cap_negative", dict(logits_soft_cap=-1.0), ValueError,
+     r"logits_soft_cap must be positive; got -1.0"),
+    ("soft_cap_array", dict(abstract=dict(logits_soft_cap=((), jnp.float32))), TypeError,
+     r"logits_soft_cap must be a Python float"),
+    ("alibi_wrong_heads", dict(abstract=dict(alibi_slopes=((HKV,), jnp.float32))), ValueError,
+     rf"alibi_slopes must have shape \(heads_q,\) = \({HQ},\) or \(batch, heads_q\) = "
+     rf"\({B}, {HQ}\); got \({HKV},\)"),
+    ("alibi_int", dict(abstract=dict(alibi_slopes=((HQ,), jnp.int32))), TypeError,
+     r"alibi_slopes must be floating point.*int32"),
+    ("dropout_rate_one", dict(dropout_rate=1.0), ValueError, r"dropout_rate must be in \[0, 1\)"),
+    ("dropout_without_rng", dict(dropout_rate=0.1), ValueError,
+     r"dropout_rate=0.1 needs dropout_rng"),
+    ("dropout_rng_batch_of_keys", dict(dropout_rate=0.1, abstract=dict(dropout_rng=((2,), _KEY))),
+     TypeError, r"dropout_rng must be one PRNG key.*shape \(2,\)"),
+    ("dropout_rng_float", dict(dropout_rate=0.1, abstract=dict(dropout_rng=((2,), jnp.float32))),
+     TypeError, r"dropout_rng must be one PRNG key.*float32"),
+    ("broadcast_dropout_not_bool", dict(broadcast_dropout="yes"), TypeError,
+     r"broadcast_dropout must be a bool"),
+    ("mask_fn_not_callable", dict(mask_fn=3), TypeError, r"mask_fn must be callable; got int"),
+    ("mask_fn_float", dict(mask_fn=lambda b, h, i, j: (i - j) * 1.0), TypeError,
+     r"mask_fn must return booleans.*float32"),
+    ("mask_fn_wrong_shape", dict(mask_fn=lambda b, h, i, j: jnp.ones((T + 1, 1), bool)),
+     ValueError, rf"mask_fn returned shape \({T + 1}, 1\), which does not broadcast to "
+     r"\[batch, heads, q_len, kv_len\] = " + _shape_re((B, HQ, T, S))),
+    ("score_fn_int", dict(score_fn=lambda s, b, h, i, j: i - j), TypeError,
+     r"score_fn must return floating scores; got int32"),
+    ("mosaic_segment_ids", dict(q=(B, T, HQ, D), k=(B, T, HKV, D), dtype=jnp.bfloat16,
+                                abstract=dict(segment_ids=((B, T), jnp.int32)),
+                                implementation="mosaic_gpu", interpret=True),
+     NotImplementedError, r"implementation='mosaic_gpu' does not support segment_ids"),
+    ("mosaic_dropout_and_softcap", dict(dtype=jnp.bfloat16, dropout_rate=0.1,
+                                        abstract=dict(dropout_rng=((), _KEY)),
+                                        logits_soft_cap=5.0, implementation="mosaic_gpu",
+                                        interpret=True),
+     NotImplementedError, r"mosaic_gpu' does not support logits_soft_cap, dropout_rate"),
+    ("mosaic_score_fn", dict(dtype=jnp.bfloat16, score_fn=lambda s, b, h, i, j: s,
+                             mask_fn=lambda b, h, i, j: i >= j, implementation="mosaic_gpu",
+                             interpret=True),
+     NotImplementedError, r"mosaic_gpu' does not support mask_fn, score_fn"),
+    ("mosaic_alibi", dict(dtype=jnp.bfloat16, abstract=dict(alibi_slopes=((HQ,), jnp.float32)),
+                          implementation="mosaic_gpu", interpret=True),
+     NotImplementedError, r"mosaic_gpu' does not support alibi_slopes"),
 ]
 
 
@@ -115,6 +179,13 @@ def test_good_abstract_call_passes():
   out = _abstract_call(q_lengths=((B,), jnp.int32), kv_lengths=((B,), jnp.int32))
   assert out.shape == (B, T, HQ, D) and out.dtype == jnp.float32
   out = _abstract_call(bias=((1, HQ, T, S), jnp.float32), mask=((B, 1, 1, S), bool))
+  assert out.shape == (B, T, HQ, D)
+  out = _abstract_call(
+      abstract=dict(segment_ids=(((B, T), jnp.int32), ((B, S), jnp.int32)),
+                    alibi_slopes=((B, HQ), jnp.float32), dropout_rng=((), _KEY)),
+      causal_alignment="bottom_right", is_causal=True, logits_soft_cap=30, dropout_rate=0.1,
+      broadcast_dropout=True, mask_fn=lambda b, h, i, j: i >= j,
+      score_fn=lambda s, b, h, i, j: s + 0.0 * b)
   assert out.shape == (B, T, HQ, D)
 
 
@@ -330,35 +401,50 @@ def test_default_dispatch_on_cpu(dtype):
   assert jax.default_backend() == "cpu"
   impls = dispatch._IMPLEMENTATIONS
   assert dispatch.choose(_call(dtype=dtype), None) is impls["blocked_jax"]
-  assert dispatch.choose(_call(dtype=dtype, has_bias=True), None) is impls["reference"]
-  assert dispatch.choose(_call(dtype=dtype, has_mask=True), None) is impls["reference"]
+  assert dispatch.choose(_call(dtype=dtype, has_bias=True), None) is impls["blocked_jax"]
+  assert dispatch.choose(_call(dtype=dtype, has_mask=True), None) is impls["blocked_jax"]
   assert dispatch.choose(_call(dtype=dtype, has_bias=True, has_mask=True), None) is impls[
-      "reference"]
+      "blocked_jax"]
+
+
+_FEATURE_FLAGS = ["has_bias", "has_mask", "has_segment_ids", "bottom_right", "has_alibi",
+                  "has_soft_cap", "has_dropout", "has_mask_fn", "has_score_fn"]
+
+
+@pytest.mark.parametrize("flag", _FEATURE_FLAGS)
+def test_dispatch_of_each_feature(flag):
+  """In the interpreter (so that dtype, head_dim and GPU are no obstacle), the Mosaic GPU kernels
+  are chosen exactly for what they serve (bottom-right alignment); else blocked_jax, which, like
+  the reference, serves every feature. Asking mosaic_gpu for the others raises
+  NotImplementedError naming the feature."""
+  call = dataclasses.replace(_call(dtype=jnp.bfloat16, interpret=True), **{flag: True})
+  impls = dispatch._IMPLEMENTATIONS
+  (feature,) = call.features()
+  for name in ("blocked_jax", "reference"):
+    assert dispatch.choose(call, name) is impls[name]
+  if flag == "bottom_right":
+    assert dispatch.choose(call, None) is impls["mosaic_gpu"]
+    assert dispatch.mosaic_gpu_unsupported_reason(call) is None
+    return
+  assert dispatch.choose(call, None) is impls["blocked_jax"]
+  assert feature in dispatch.mosaic_gpu_unsupported_reason(call)
+  with pytest.raises(NotImplementedError, match=rf"mosaic_gpu' does not support {feature}"):
+    dispatch.choose(call, "mosaic_gpu")
 
 
 def test_default_dispatch_results(rng_key):
-  """implementation=None gives bit-for-bit the blocked path without bias/mask and the reference
-  path with them."""
+  """implementation=None gives bit-for-bit the blocked path, with or without bias/mask."""
   q, k, v, _ = _inputs(rng_key)
   bias = jax.random.normal(jax.random.fold_in(rng_key, 1), (1, HQ, T, S))
   mask = jax.random.bernoulli(jax.random.fold_in(rng_key, 2), 0.8, (B, 1, T, S))
   f = pallas_attn.attention
   kw = dict(is_causal=True, return_residual=True)
   for got, want in ((f(q, k, v, **kw), f(q, k, v, implementation="blocked_jax", **kw)),
-                    (f(q, k, v, bias, **kw), f(q, k, v, bias, implementation="reference", **kw)),
+                    (f(q, k, v, bias, **kw), f(q, k, v, bias, implementation="blocked_jax", **kw)),
                     (f(q, k, v, None, mask, **kw),
-                     f(q, k, v, None, mask, implementation="reference", **kw))):
+                     f(q, k, v, None, mask, implementation="blocked_jax", **kw))):
     for g, w in zip(got, want):
       np.testing.assert_array_equal(g, w)
-
-
-@pytest.mark.parametrize("what", ["bias", "mask"])
-def test_blocked_jax_rejects_bias_and_mask(rng_key, what):
-  q, k, v, _ = _inputs(rng_key)
-  extra = dict(bias=jnp.zeros((1, 1, T, S))) if what == "bias" else dict(
-      mask=jnp.ones((1, 1, T, S), bool))
-  with pytest.raises(NotImplementedError, match=rf"blocked_jax.*{what}"):
-    pallas_attn.attention(q, k, v, implementation="blocked_jax", **extra)
 
 
 @pytest.mark.parametrize("implementation", [None, "reference"])

@@ -20,6 +20,13 @@ def test_blocked_jax_matches_reference(case, seed):
   cases.check_case(case, "blocked_jax", seed=seed)
 
 
+@pytest.mark.parametrize("case", [pytest.param(c.replace(dtype=dtype), id=c.replace(dtype=dtype).id)
+                                  for c in cases.ALIGNMENT_CASES
+                                  for dtype in (cases.F32, cases.BF16)])
+def test_bottom_right_alignment_matches_reference(case, seed):
+  cases.check_case(case, "blocked_jax", seed=seed)
+
+
 # Block sizes that do not divide the lengths and differ between q and kv: many partial tiles,
 # skipped tiles (causal/window) and tiles that straddle the window edges and the kv lengths.
 _BLOCK_CASES = [

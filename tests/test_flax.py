@@ -15,7 +15,9 @@ What the modules call (flax 0.12, read from site-packages):
   make_attention_mask / make_causal_mask: float32 (1.0 = attend) of shape [batch..., 1, T, S].
 
 `pallas_attn.flax_attention_fn` is the adapter; it is exercised here against the modules'
-default attention.
+default attention. Flax's attention-weight dropout maps onto pallas_attn's hashed dropout: same
+semantics (broadcast_dropout shares the mask across batch and heads), not the same random bits,
+so dropout is checked by its properties, not against Flax's numbers.
 """
 
 import functools
@@ -117,21 +119,71 @@ def test_nnx_multihead_attention_matches_default(rng_key, setting):
 
 
 def test_nnx_plain_attention_needs_an_adapter(rng_key):
-  """pallas_attn.attention as-is is not an nnx attention_fn (nnx passes dropout_rng, ...): this
-  documents why the adapter exists; if the signature grows these keywords this test says so."""
+  """pallas_attn.attention as-is is not an nnx attention_fn (nnx passes deterministic, dtype,
+  precision, module, ...): this documents why the adapter exists; if the signature grows these
+  keywords this test says so."""
   model = nnx.MultiHeadAttention(num_heads=H, in_features=F, qkv_features=QKV, decode=False,
                                  rngs=nnx.Rngs(0), attention_fn=pallas_attn.attention)
-  with pytest.raises(TypeError, match="dropout_rng|unexpected keyword"):
+  with pytest.raises(TypeError, match="unexpected keyword"):
     model(_x(rng_key, 2, 9, F))
 
 
-def test_nnx_dropout_is_refused(rng_key):
-  model = nnx.MultiHeadAttention(num_heads=H, in_features=F, qkv_features=QKV, decode=False,
-                                 dropout_rate=0.1, rngs=nnx.Rngs(0),
-                                 attention_fn=flax_attention_fn)
-  with pytest.raises(NotImplementedError, match="dropout"):
-    model(_x(rng_key, 2, 9, F), deterministic=False)
-  model(_x(rng_key, 2, 9, F), deterministic=True)  # no dropout at inference: fine
+@pytest.mark.parametrize("broadcast_dropout", [True, False])
+def test_nnx_dropout(rng_key, broadcast_dropout):
+  """deterministic=True is the module without dropout (equal to Flax's default attention);
+  deterministic=False drops weights: the output moves, is reproducible from the module's rngs,
+  and the parameters get finite gradients."""
+  x = _x(rng_key, 2, 19, F)
+  make = lambda fn: nnx.MultiHeadAttention(
+      num_heads=H, in_features=F, qkv_features=QKV, decode=False, dropout_rate=0.3,
+      broadcast_dropout=broadcast_dropout, rngs=nnx.Rngs(0), attention_fn=fn)
+
+  @functools.partial(nnx.jit, static_argnames="deterministic")
+  def run(model, deterministic):
+    return model(x, deterministic=deterministic)
+
+  plain = run(make(flax_attention_fn), True)
+  _close(plain, run(make(nnx.dot_product_attention), True), what="deterministic")
+
+  @nnx.jit
+  def dropped_and_grads(model):
+    return nnx.value_and_grad(lambda m: jnp.vdot(m(x, deterministic=False), x))(model)
+
+  (value, grads), (again, _) = dropped_and_grads(make(flax_attention_fn)), dropped_and_grads(
+      make(flax_attention_fn))
+  assert value == again  # the same rngs seed: the same keep-mask
+  assert abs(value - jnp.vdot(plain, x)) > 1e-3 * abs(value)
+  assert all(np.isfinite(np.asarray(g)).all() for g in jax.tree.leaves(grads))
+  assert cases.rel_err(np.asarray(run(make(flax_attention_fn), False)), np.asarray(plain)) > 0.05
+
+
+def test_adapter_broadcast_dropout_shares_the_mask_over_batch_axes_and_heads(rng_key):
+  """Flax's broadcast_dropout=True (its default): one keep-mask for every batch element (several
+  batch axes here) and head; identical inputs everywhere then give identical outputs."""
+  q = jnp.broadcast_to(_x(rng_key, 1, 1, 11, 1, 16), (2, 3, 11, H, 16))
+  k = jnp.broadcast_to(_x(jax.random.fold_in(rng_key, 1), 1, 1, 13, 1, 16), (2, 3, 13, H, 16))
+  run = lambda broadcast: np.asarray(jax.jit(functools.partial(
+      flax_attention_fn, dropout_rate=0.5, deterministic=False, broadcast_dropout=broadcast))(
+          q, k, k, dropout_rng=jax.random.key(3)))
+  shared = run(True)
+  np.testing.assert_array_equal(shared, np.broadcast_to(shared[:1, :1, :, :1], shared.shape))
+  separate = run(False)
+  assert not np.array_equal(separate[0, 0], separate[1, 2])
+  with pytest.raises(ValueError, match="dropout_rng"):
+    flax_attention_fn(q, k, k, dropout_rate=0.5, deterministic=False)
+
+
+def test_linen_dropout(rng_key):
+  """linen passes dropout_rng from the 'dropout' stream: reproducible per key, moves the output."""
+  x = _x(rng_key, 2, 17, F)
+  model = _linen_model(flax_attention_fn, dropout_rate=0.3)
+  params = model.init(jax.random.fold_in(rng_key, 1), x, deterministic=True)
+  run = jax.jit(lambda key: model.apply(params, x, deterministic=False, rngs=dict(dropout=key)))
+  a, b = run(jax.random.key(1)), run(jax.random.key(2))
+  np.testing.assert_array_equal(a, run(jax.random.key(1)))
+  assert cases.rel_err(np.asarray(a), np.asarray(b)) > 0.05
+  plain = model.apply(params, x, deterministic=True)
+  assert cases.rel_err(np.asarray(a), np.asarray(plain)) > 0.05
 
 
 # ------------------------------------------------------------------------------------------------

@@ -70,6 +70,45 @@ def test_blocked_jaxpr_with_residual_and_default_dispatch():
   _check_blocked(cases.find_quadratic_intermediates(fn, *_args(), q_len=Q_LEN, kv_len=KV_LEN))
 
 
+# Score modifications on the blocked path: the only [q_len, kv_len]-sized values allowed are the
+# caller's own bias and mask and, in the backward pass, the bias gradient (a buffer of the bias's
+# shape that the tiles are scattered into).
+FEATURE_VARIANTS = {
+    "bias_heads_segments_causal": dict(bias=(1, HQ, Q_LEN, KV_LEN), is_causal=True),
+    "bias_batch_mask_everything": dict(
+        bias=(B, 1, Q_LEN, KV_LEN), mask=(1, 1, Q_LEN, KV_LEN), is_causal=True,
+        causal_alignment="bottom_right", logits_soft_cap=30.0, alibi=True, dropout_rate=0.1,
+        mask_fn=lambda b, h, i, j: (i + j) % 7 != 0, score_fn=lambda s, b, h, i, j: s * 0.9),
+}
+
+
+@pytest.mark.parametrize("variant", list(FEATURE_VARIANTS))
+def test_blocked_score_modifications_have_no_quadratic_value_but_the_bias(variant):
+  options = dict(FEATURE_VARIANTS[variant])
+  bias_shape, mask_shape = options.pop("bias"), options.pop("mask", None)
+  alibi = options.pop("alibi", False)
+  dropout_rate = options.get("dropout_rate", 0.0)
+
+  def loss(q, k, v, do, bias, mask, q_ids, kv_ids, slopes, key):
+    out = pallas_attn.attention(
+        q, k, v, bias, mask, segment_ids=(q_ids, kv_ids), alibi_slopes=slopes,
+        dropout_rng=key if dropout_rate else None, implementation="blocked_jax", **options)
+    return jnp.vdot(out, do).astype(jnp.float32)
+
+  sds = jax.ShapeDtypeStruct
+  args = (*_args(), sds(bias_shape, jnp.float32),
+          None if mask_shape is None else sds(mask_shape, jnp.bool_),
+          sds((B, Q_LEN), jnp.int32), sds((B, KV_LEN), jnp.int32),
+          sds((HQ,), jnp.float32) if alibi else None, jax.random.key(0))
+  fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 4)))
+  report = cases.find_quadratic_intermediates(fn, *args, q_len=Q_LEN, kv_len=KV_LEN)
+  allowed = {bias_shape, mask_shape}
+  seen_bias = [o for o in report.offenders if o[2] == bias_shape]
+  assert seen_bias, "the bias (an input) should have been seen: is the walk blind?"
+  report.offenders = [o for o in report.offenders if o[2] not in allowed]
+  _check_blocked(report)
+
+
 def test_walker_flags_the_reference():
   """The reference materializes [B, H, T, S] scores: the walker must say so, including inside
   the jit and in the backward pass."""
