@@ -148,22 +148,18 @@ BAD_INPUTS = [
      r"\[batch, heads, q_len, kv_len\] = " + _shape_re((B, HQ, T, S))),
     ("score_fn_int", dict(score_fn=lambda s, b, h, i, j: i - j), TypeError,
      r"score_fn must return floating scores; got int32"),
-    ("mosaic_segment_ids", dict(q=(B, T, HQ, D), k=(B, T, HKV, D), dtype=jnp.bfloat16,
-                                abstract=dict(segment_ids=((B, T), jnp.int32)),
-                                implementation="mosaic_gpu", interpret=True),
-     NotImplementedError, r"implementation='mosaic_gpu' does not support segment_ids"),
-    ("mosaic_dropout_and_softcap", dict(dtype=jnp.bfloat16, dropout_rate=0.1,
-                                        abstract=dict(dropout_rng=((), _KEY)),
-                                        logits_soft_cap=5.0, implementation="mosaic_gpu",
-                                        interpret=True),
-     NotImplementedError, r"mosaic_gpu' does not support logits_soft_cap, dropout_rate"),
+    ("mosaic_dropout", dict(dtype=jnp.bfloat16, dropout_rate=0.1,
+                            abstract=dict(dropout_rng=((), _KEY)),
+                            logits_soft_cap=5.0, implementation="mosaic_gpu", interpret=True),
+     NotImplementedError, r"mosaic_gpu' does not support dropout_rate"),
     ("mosaic_score_fn", dict(dtype=jnp.bfloat16, score_fn=lambda s, b, h, i, j: s,
                              mask_fn=lambda b, h, i, j: i >= j, implementation="mosaic_gpu",
                              interpret=True),
      NotImplementedError, r"mosaic_gpu' does not support mask_fn, score_fn"),
-    ("mosaic_alibi", dict(dtype=jnp.bfloat16, abstract=dict(alibi_slopes=((HQ,), jnp.float32)),
-                          implementation="mosaic_gpu", interpret=True),
-     NotImplementedError, r"mosaic_gpu' does not support alibi_slopes"),
+    ("mosaic_alibi_per_batch", dict(dtype=jnp.bfloat16,
+                                    abstract=dict(alibi_slopes=((B, HQ), jnp.float32)),
+                                    implementation="mosaic_gpu", interpret=True),
+     NotImplementedError, r"mosaic_gpu' does not support alibi_slopes_per_batch"),
 ]
 
 
@@ -408,21 +404,22 @@ def test_default_dispatch_on_cpu(dtype):
 
 
 _FEATURE_FLAGS = ["has_bias", "has_mask", "has_segment_ids", "bottom_right", "has_alibi",
-                  "has_soft_cap", "has_dropout", "has_mask_fn", "has_score_fn"]
+                  "alibi_per_batch", "has_soft_cap", "has_dropout", "has_mask_fn", "has_score_fn"]
+_KERNEL_FEATURE_FLAGS = ("has_segment_ids", "bottom_right", "has_alibi", "has_soft_cap")
 
 
 @pytest.mark.parametrize("flag", _FEATURE_FLAGS)
 def test_dispatch_of_each_feature(flag):
   """In the interpreter (so that dtype, head_dim and GPU are no obstacle), the Mosaic GPU kernels
-  are chosen exactly for what they serve (bottom-right alignment); else blocked_jax, which, like
-  the reference, serves every feature. Asking mosaic_gpu for the others raises
-  NotImplementedError naming the feature."""
+  are chosen exactly for what they serve (bottom-right alignment, segment ids, per-head ALiBi
+  slopes, soft-cap); else blocked_jax, which, like the reference, serves every feature. Asking
+  mosaic_gpu for the others raises NotImplementedError naming the feature."""
   call = dataclasses.replace(_call(dtype=jnp.bfloat16, interpret=True), **{flag: True})
   impls = dispatch._IMPLEMENTATIONS
-  (feature,) = call.features()
+  feature = call.features()[-1]
   for name in ("blocked_jax", "reference"):
     assert dispatch.choose(call, name) is impls[name]
-  if flag == "bottom_right":
+  if flag in _KERNEL_FEATURE_FLAGS:
     assert dispatch.choose(call, None) is impls["mosaic_gpu"]
     assert dispatch.mosaic_gpu_unsupported_reason(call) is None
     return

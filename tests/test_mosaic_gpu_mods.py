@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 import cases
+import pallas_attn
 from pallas_attn import mask as mask_lib
 from pallas_attn.mosaic_gpu import ops
 from test_mosaic_gpu import _poison_allocator
@@ -261,3 +262,59 @@ def _gpu_params():
 def test_gpu_modifiers_match_dense_reference(case, seed):
   _poison_allocator(64 << 20)
   _check(case, seed, interpret=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Through `pallas_attn.attention`: the dispatcher hands segment ids, per-head ALiBi slopes, the
+# soft-cap and the bottom-right alignment to the kernels; the portable path (float32, itself
+# checked against the dense reference in test_features.py) is the oracle.
+
+
+def _api_outputs(q, k, v, do, segment_ids, slopes, *, implementation, interpret, is_causal,
+                 alignment, soft_cap):
+  def f(q, k, v):
+    return pallas_attn.attention(
+        q, k, v, is_causal=is_causal, causal_alignment=alignment, segment_ids=segment_ids,
+        alibi_slopes=jax.lax.stop_gradient(slopes), logits_soft_cap=soft_cap,
+        implementation=implementation, interpret=interpret, return_residual=True)
+
+  (out, lse), vjp = jax.vjp(f, q, k, v)
+  return (out, lse, *vjp((do, jnp.zeros_like(lse))))
+
+
+def _check_api_against_portable(q_len, kv_len, *, is_causal, alignment, soft_cap, seed,
+                                interpret, head_dim=64):
+  keys = jax.random.split(jax.random.key(seed), 5)
+  batch, heads_q, heads_kv = 2, 4, 2
+  q = jax.random.normal(keys[0], (batch, q_len, heads_q, head_dim), jnp.bfloat16)
+  k = jax.random.normal(keys[1], (batch, kv_len, heads_kv, head_dim), jnp.bfloat16)
+  v = jax.random.normal(keys[2], (batch, kv_len, heads_kv, head_dim), jnp.bfloat16)
+  do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+  # Packed documents: sorted ids with cuts at different places in the two batch elements.
+  q_ids = jnp.stack([jnp.arange(q_len) * 3 // q_len, jnp.arange(q_len) * 2 // q_len])
+  kv_ids = jnp.stack([jnp.arange(kv_len) * 3 // kv_len, jnp.arange(kv_len) * 2 // kv_len])
+  segment_ids = (q_ids.astype(jnp.int32), kv_ids.astype(jnp.int32))
+  slopes = 2.0 ** (-8.0 * (jnp.arange(heads_q) + 1) / heads_q)
+  common = dict(is_causal=is_causal, alignment=alignment, soft_cap=soft_cap)
+  got = jax.jit(functools.partial(_api_outputs, implementation="mosaic_gpu", interpret=interpret,
+                                  **common))(q, k, v, do, segment_ids, slopes)
+  up = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  want = jax.jit(functools.partial(_api_outputs, implementation="blocked_jax", interpret=False,
+                                   **common))(*up, segment_ids, slopes)
+  for name, g, w in zip(("out", "lse", *cases.QUANTITIES[1:]), got, want):
+    assert np.isfinite(np.asarray(g, np.float32)).all(), name
+    err = cases.rel_err(g, w)
+    assert err < (1e-4 if name == "lse" else 2e-2), f"{name}: rel err {err:.3e}"
+
+
+def test_interpreted_modifiers_through_attention(seed):
+  _check_api_against_portable(77, 150, is_causal=True, alignment="bottom_right", soft_cap=5.0,
+                              seed=seed, interpret=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_gpu_modifiers_through_attention(head_dim, seed):
+  _poison_allocator(64 << 20)
+  _check_api_against_portable(1000, 1537, is_causal=True, alignment="bottom_right", soft_cap=20.0,
+                              seed=seed, interpret=False, head_dim=head_dim)
