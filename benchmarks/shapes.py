@@ -105,6 +105,8 @@ PRESETS = {
                       + long_context(seqs=(32768,), causal=(True,))),
     "fa": fa_sweep,
     "fa_quick": lambda: fa_sweep(seqs=(1024, 4096, 16384)),
+    # The four shapes issue #3's closing table quotes (head_dim 128, N = 4096 / 16384).
+    "d128_anchors": lambda: fa_sweep(seqs=(4096, 16384), head_dims=(128,)),
     "long": long_context,
     "gqa": gqa,
     "decode": decode,

@@ -4,12 +4,12 @@
 # (ignored by git; carried by the call).
 #   run: bash scripts/h200_session.sh [benchmark args...]
 # Environment:
-#   TEST_TIMEOUT (s, default 200; 0 skips the tests), TEST_SELECT (pytest args selecting tests,
-#   default: all `gpu` tests), TEST_WORKERS (default 8),
+#   TEST_TIMEOUT (s, default 200; 0 skips the tests), TEST_SELECT (test files, default tests/),
+#   TEST_K (a pytest -k expression, default none: every `gpu` test), TEST_WORKERS (default 8),
 #   BENCH_TIMEOUT (s, default 340; 0 skips the benchmark),
 #   EXAMPLE_ARGS (if set: python -m examples.flax_lm $EXAMPLE_ARGS, EXAMPLE_TIMEOUT default 120).
 # The full `gpu` suite compiles every kernel of ~60 cases (about 10 s each, CPU-bound): with 16
-# workers it needs ~10 minutes; split it with TEST_SELECT="-k ..." across calls.
+# workers it needs ~10 minutes; split it with TEST_K across calls.
 set -u
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -26,7 +26,7 @@ if [ "${TEST_TIMEOUT:-200}" != 0 ]; then
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-200}" \
     python3 -m pytest -m gpu -n "${TEST_WORKERS:-8}" -v -p no:cacheprovider \
     --timeout="$(( ${TEST_TIMEOUT:-200} - 20 ))" --timeout-method=thread \
-    ${TEST_SELECT:-tests/} >"$OUT/gpu_tests.log" 2>&1
+    ${TEST_K:+-k "$TEST_K"} ${TEST_SELECT:-tests/} >"$OUT/gpu_tests.log" 2>&1
   grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" "$OUT/gpu_tests.log" | sed 's/ *\[ *[0-9]*%\]//' \
     | tail -40
 fi
