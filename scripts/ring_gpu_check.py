@@ -25,6 +25,9 @@ def main(seq: int):
   k = jax.random.normal(keys[1], (1, seq, 8, 128), jnp.bfloat16)
   v = jax.random.normal(keys[2], (1, seq, 8, 128), jnp.bfloat16)
   do = jax.random.normal(keys[3], q.shape, jnp.bfloat16)
+  # The inputs as a context-parallel model holds them: split over the sequence.
+  by_seq = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "seq"))
+  q, k, v, do = (jax.device_put(x, by_seq) for x in (q, k, v, do))
   for causal in (True, False):
     def ring(q, k, v):
       return pallas_attn.ring_attention(q, k, v, mesh=mesh, seq_axis="seq", is_causal=causal)
