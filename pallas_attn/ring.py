@@ -339,20 +339,33 @@ def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
                scale=float(1.0 / math.sqrt(head_dim) if scale is None else scale),
                kernels=chunk_kernels.select(implementation, call))
 
-  permute = is_causal and layout == "natural"
+  q_lengths = api._check_lengths("query_seq_lengths", query_seq_lengths, batch)  # pylint: disable=protected-access
+  kv_lengths = api._check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)  # pylint: disable=protected-access
+  return _ring_program(ring, is_causal and layout == "natural", query, key, value, q_lengths,
+                       kv_lengths)
+
+
+# Under jit even when called eagerly: shard_map over the mesh's abstract form, inside a
+# custom_vjp, can only be lowered as part of a jitted computation (an eager jax.vjp of the ring
+# fails otherwise).
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _ring_program(ring: _Ring, permute: bool, query, key, value, q_lengths, kv_lengths):
+  """The ring (see `ring_attention`) on checked arguments; lengths None or int32 [batch]."""
+  batch, q_len = query.shape[:2]
+  kv_len = key.shape[1]
+  num_shards = ring.mesh.shape[ring.seq_axis]
+  given_lengths = q_lengths is not None or kv_lengths is not None
   if permute:
     query, key, value = ring.shard_map(_to_zigzag_shards, ("seq",) * 3, ("seq",) * 3)(
         query, key, value)
   full = lambda n: jnp.full((batch,), n, jnp.int32)
-  q_lengths = api._check_lengths("query_seq_lengths", query_seq_lengths, batch)  # pylint: disable=protected-access
-  kv_lengths = api._check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)  # pylint: disable=protected-access
   q_lengths = full(q_len) if q_lengths is None else q_lengths
   kv_lengths = full(kv_len) if kv_lengths is None else kv_lengths
   out, lse = _ring_attention(ring, query, key, value, q_lengths, kv_lengths)
-  if query_seq_lengths is not None or key_value_seq_lengths is not None:
+  if given_lengths:
     # Rows can be empty only with lengths: give them jax.nn's values, as `attention` does.
     out, _ = numerics.finalize_empty_rows(out, lse, value, None)
-    rows = zigzag.positions(q_len, num_shards) if use_zigzag else np.arange(q_len)
+    rows = zigzag.positions(q_len, num_shards) if ring.zigzag else np.arange(q_len)
     out = jnp.where((rows[None, :] < q_lengths[:, None])[:, :, None, None], out, 0)
   if permute:
     out, = ring.shard_map(_from_zigzag_shards, ("seq",), ("seq",))(out)

@@ -229,3 +229,16 @@ def test_bad_input_raises_value_error(shape_q, shape_kv, kw, match):
   q, kv = jnp.ones(shape_q), jnp.ones(shape_kv)
   with pytest.raises(ValueError, match=match):
     pallas_attn.ring_attention(q, kv, kv, mesh=mesh, **kw)
+
+
+def test_eager_vjp_of_the_ring(seed):
+  """Called outside jit (as in a notebook), forward and gradients: the ring runs its own jit
+  (shard_map over the mesh inside a custom_vjp cannot be lowered eagerly otherwise)."""
+  mesh = jax.make_mesh((2,), ("seq",), devices=jax.devices()[:2])
+  keys = jax.random.split(jax.random.key(seed), 4)
+  q, k, v, do = (jax.random.normal(key, (1, 32, 2, 16)) for key in keys)
+  ring = functools.partial(pallas_attn.ring_attention, mesh=mesh, seq_axis="seq", is_causal=True)
+  dense = functools.partial(pallas_attn.attention, is_causal=True, implementation="reference")
+  (out, vjp), (ref_out, ref_vjp) = jax.vjp(ring, q, k, v), jax.vjp(dense, q, k, v)
+  for got, want in zip((out, *vjp(do)), (ref_out, *ref_vjp(do))):
+    assert cases.rel_err(got, want) < 1e-5
