@@ -24,7 +24,7 @@ if [ "${TEST_TIMEOUT:-200}" != 0 ]; then
   # kernel fails its test (thread method: dumps the stacks) instead of eating the call.
   # shellcheck disable=SC2086
   XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-200}" \
-    python3 -m pytest -m gpu -n "${TEST_WORKERS:-8}" -v -p no:cacheprovider \
+    python3 -m pytest -o addopts="" -m gpu -n "${TEST_WORKERS:-8}" -v -p no:cacheprovider \
     --timeout="$(( ${TEST_TIMEOUT:-200} - 20 ))" --timeout-method=thread \
     ${TEST_K:+-k "$TEST_K"} ${TEST_SELECT:-tests/} >"$OUT/gpu_tests.log" 2>&1
   grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" "$OUT/gpu_tests.log" | sed 's/ *\[ *[0-9]*%\]//' \
