@@ -57,7 +57,9 @@ class KernelMods:
   soft_cap: float | None = None
   segment_ids: bool = False
   alibi: bool = False
-  dropout_rate: float = 0.0
+  dropout_rate: float = 0.0  # > 0: dropout in the kernels
+  # One keep-mask for every (batch, head). The kernels need not know (the `dropout_prefix` array
+  # is then the same everywhere); kept so that the static config says what the call does.
   broadcast_dropout: bool = False
 
   def __post_init__(self):
