@@ -16,11 +16,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 import cases
+import multidevice
 import pallas_attn
 from pallas_attn import dropout
 from pallas_attn import mask as mask_lib
+from pallas_attn import sharding
+from pallas_attn.mosaic_gpu import mods as mods_lib
 from pallas_attn.mosaic_gpu import ops
 from test_mosaic_gpu import _poison_allocator
 
@@ -131,3 +135,37 @@ def test_gpu_dropout_matches_portable(name, head_dim, seed):
   batch, _, _, heads_q, heads_kv, is_causal, broadcast = _CASES[name]
   _check(batch, 1000, 1000, heads_q, heads_kv, is_causal, broadcast, seed=seed, interpret=False,
          head_dim=head_dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded: each device's kernels must hash global (batch, head) indices. The kernels cannot run
+# on several devices in the interpreter; a stand-in pass that writes the dropout prefix it is
+# given into its output checks that `sharding.batch_head_parallel` hands every shard the prefix
+# rows of its own global batch elements and heads.
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
+                         ids=lambda t: t.name.lower())
+def test_sharded_passes_get_global_dropout_prefix(axis_type):
+  batch, q_len, heads_q, heads_kv, head_dim = 4, 8, 4, 2, 16
+  mesh = multidevice.cpu_mesh((2, 2), ("data", "model"), axis_type)
+  q = jnp.zeros((batch, q_len, heads_q, head_dim), jnp.float32)
+  k = jnp.zeros((batch, q_len, heads_kv, head_dim), jnp.float32)
+  _, arrays = mods_lib.from_arguments(q, k, None, None, None, None, RATE,
+                                      dropout.seed_from_key(jax.random.key(0)), False)
+
+  def stand_in(q, k, v, q_lengths, kv_lengths, *mod_arrays):
+    prefix = mods_lib.ModArrays(*mod_arrays).dropout_prefix  # uint32 [B, Hq] of this shard
+    low = (prefix & 0xFFFF).astype(jnp.float32)  # exact in float32
+    out = q + low[:, None, :, None]
+    return out, jnp.broadcast_to(low[:, :, None], (q.shape[0], q.shape[2], q.shape[1]))
+
+  def run(q, k, prefix):
+    operands = (q, k, k, None, None, *arrays._replace(dropout_prefix=prefix))
+    return sharding.batch_head_parallel(stand_in, sharding.FORWARD, *operands)
+
+  want = stand_in(q, k, k, None, None, *arrays)
+  qs, ks = (jax.device_put(x, NamedSharding(mesh, P("data", None, "model"))) for x in (q, k))
+  got = jax.jit(run)(qs, ks, arrays.dropout_prefix)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
