@@ -64,6 +64,19 @@ def keep_mask(seed: jax.Array, batch, head, q_pos, kv_pos, rate: float) -> jax.A
   return hash_indices(seed, batch, head, q_pos, kv_pos) >= threshold(rate)
 
 
+# `keep_mask` in two halves, for kernels: the running hash after (seed, batch, head) is computed
+# once per (batch, head) outside, the positions are absorbed per tile. Same arithmetic, so the
+# same bits as `keep_mask`.
+def row_prefix(seed: jax.Array, batch, head) -> jax.Array:
+  """uint32, broadcast shape of batch and head: the hash state after (seed, batch, head)."""
+  return _absorb(_absorb(_absorb(seed[0], seed[1]), batch), head)
+
+
+def keep_from_prefix(prefix, q_pos, kv_pos, rate: float) -> jax.Array:
+  """`keep_mask` from the `row_prefix` of its (seed, batch, head)."""
+  return _finalize(_absorb(_absorb(prefix, q_pos), kv_pos), 5) >= threshold(rate)
+
+
 def seed_from_key(key: jax.Array) -> jax.Array:
   """uint32 [2] hash seed drawn from a PRNG key (typed `jax.random.key` or raw uint32 [2])."""
   return jax.random.bits(key, (2,), jnp.uint32)

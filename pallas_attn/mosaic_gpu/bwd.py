@@ -11,7 +11,9 @@ With delta = rowsum(dO * O) precomputed, dS = P * (dP - delta) where dP = dO V^T
   compute warpgroup accumulates dV = P^T dO and dK = scale * dS^T Q for its key rows, summed over
   the group in registers (no per-query-head copy of dK/dV).
 Block skipping and end-of-range masking follow `mask`, and the score modifiers `mods`, exactly
-as in the forward kernel; with a soft-cap, dS is multiplied by the cap's derivative. Rows whose
+as in the forward kernel; with a soft-cap, dS is multiplied by the cap's derivative. With
+dropout, dP is masked and scaled by the regenerated keep-mask, dS = P * (dP_dropped - delta), and
+dV takes the dropped, scaled P. Rows whose
 lse is +inf (no visible key, or past their query length) get P = 0 and no gradient.
 """
 
@@ -106,6 +108,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       plgpu.barrier_wait(v_full.at[slot])
       dp = common.matmul(do_smem.at[wg], v_smem.at[slot].T, (block_q, block_kv))
       plgpu.barrier_arrive(v_free.at[slot])
+      dp = scores.dropped(dp, scores.dropout_keep(dp, cols))  # dP of the dropped weights
       ds = mods_lib.soft_cap_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), tanh_s)
       dq = common.matmul_acc(dq, ds.astype(dtype), k_smem.at[slot],
                              ds_staging[0].at[wg] if ds_staging else None)
@@ -235,8 +238,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     def one_head(g, carry):
       step_base = g * per_head - cta_lo  # ring step of query block qi is step_base + qi
       slot_of = lambda qi: lax.rem(step_base + qi, stages)
-      # (The query head only matters to ALiBi: don't compute it otherwise.)
-      scores = key_scores.for_head(kv_head * groups + g) if mods.alibi else key_scores
+      # (The query head only matters to ALiBi and dropout: don't compute it otherwise.)
+      scores = key_scores.for_head(kv_head * groups + g) if mods.per_head else key_scores
 
       def release(qi, c):
         slot = slot_of(qi)
@@ -253,11 +256,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         st, tanh_st = scores(st, cols, masked=masked)
         lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
         pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
+        keep = scores.dropout_keep(pt, cols)  # transposed like the tile
         stage = staging[0].at[wg] if staging else None
         if "dv" in outputs:
-          acc["dv"] = common.matmul_acc(acc["dv"], pt.astype(dtype), do_smem.at[slot], stage)
+          acc["dv"] = common.matmul_acc(acc["dv"], scores.dropped(pt, keep).astype(dtype),
+                                        do_smem.at[slot], stage)
         if "dk" in outputs:
           dpt = common.matmul(v_smem.at[wg], do_smem.at[slot].T, (block_kv, block_q))
+          dpt = scores.dropped(dpt, keep)
           delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
           dst = mods_lib.soft_cap_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
                                        tanh_st)

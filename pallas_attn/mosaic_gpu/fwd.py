@@ -10,7 +10,8 @@ Only key blocks that can hold a visible key are loaded (`mask.kv_block_range`: c
 key-length skipping); element masks are applied only to the tiles at the two ends of that range
 (`mask.kv_full_range`). The producer loads the union of both warpgroups' ranges; a warpgroup
 releases the slots outside its own range without computing on them. Soft-cap, ALiBi and segment
-ids (`mods`) change the logits of every tile when given.
+ids (`mods`) change the logits of every tile when given; with dropout, the probabilities that
+multiply V are masked by the regenerated keep-mask and scaled by 1 / (1 - rate).
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_r
       m_new = jnp.maximum(m_i, s.max(axis=1))
       alpha = jnp.exp2(m_i - m_new)
       p = jnp.exp2(s - common.broadcast_rows(m_new, s.shape))
-      l_i = l_i * alpha + p.sum(axis=1)
+      l_i = l_i * alpha + p.sum(axis=1)  # the undropped row sum: lse ignores dropout
       acc = acc * common.broadcast_rows(alpha, acc.shape)
+      p = scores.dropped(p, scores.dropout_keep(p, cols))  # kept weights / (1 - rate)
       if cfg.ping_pong:  # second meeting: softmax done; wait until the tensor cores are ours
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_full.at[slot])

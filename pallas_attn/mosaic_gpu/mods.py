@@ -10,6 +10,15 @@ Order on the natural-log logits of a tile (the semantics issue #5 sets for every
   as constants: `attention` in ops.py refuses to differentiate them (`constant_slopes`).
 - The soft-cap maps a logit x to cap * tanh(x / cap); the backward kernels recompute tanh from
   the recomputed scores and multiply dS by its derivative 1 - tanh^2 (`soft_cap_grad`).
+- Dropout (attention weights, as the portable path): the keep-mask of `pallas_attn.dropout`,
+  the hash of (seed, batch, head, q_idx, kv_idx) (batch and head 0 with `broadcast_dropout`), is
+  regenerated per tile from the tile's positions, never stored. The hash state after (seed,
+  batch, head) is computed outside the kernels (`ModArrays.dropout_prefix`, uint32
+  [batch, heads_q]), so that a batch- or head-sharded call hashes global indices; the kernels
+  absorb the positions. The lse and the row sum l are of the undropped softmax; the forward
+  multiplies the kept probabilities by 1 / (1 - rate) before P.V; the backward masks and scales
+  dP the same way (dS = P * (dP_dropped - delta), delta of the dropped output) and
+  dV = (P * keep / (1 - rate))^T dO.
 - Segment ids: query i sees key j only where q_segment_ids[b, i] == kv_segment_ids[b, j]. A call
   with segment ids element-masks every tile. Blocks are not skipped by segment (a packed batch
   with many short documents still visits every block the positional mask allows): that would
@@ -36,6 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_attn import dropout as dropout_lib
 from pallas_attn import mask as mask_lib
 from pallas_attn.mosaic_gpu import common
 
@@ -47,10 +57,21 @@ class KernelMods:
   soft_cap: float | None = None
   segment_ids: bool = False
   alibi: bool = False
+  dropout_rate: float = 0.0  # > 0: dropout in the kernels
+  # One keep-mask for every (batch, head). The kernels need not know (the `dropout_prefix` array
+  # is then the same everywhere); kept so that the static config says what the call does.
+  broadcast_dropout: bool = False
 
   def __post_init__(self):
     if self.soft_cap is not None and not (math.isfinite(self.soft_cap) and self.soft_cap > 0):
       raise ValueError(f"logits_soft_cap must be a positive finite float, got {self.soft_cap}")
+    if not 0.0 <= self.dropout_rate < 1.0:
+      raise ValueError(f"dropout_rate must be in [0, 1), got {self.dropout_rate}")
+
+  @property
+  def per_head(self) -> bool:
+    """A scorer reads something per query head (ALiBi's slope, dropout's hash prefix)."""
+    return self.alibi or self.dropout_rate > 0.0
 
 
 class ModArrays(NamedTuple):
@@ -60,6 +81,7 @@ class ModArrays(NamedTuple):
   q_segment_ids: Any = None  # int32 [batch, q_len]
   kv_segment_ids: Any = None  # int32 [batch, kv_len]
   alibi_slopes: Any = None  # float32 [heads_q]
+  dropout_prefix: Any = None  # uint32 [batch, heads_q]: see `dropout_lib.row_prefix`
 
   def padded(self, q_len: int, kv_len: int) -> ModArrays:
     """Segment ids padded to the kernels' padded lengths. The padding value does not matter:
@@ -89,7 +111,8 @@ def _constant_slopes_jvp(primals, tangents):
       "the slopes")
 
 
-def from_arguments(q, k, logits_soft_cap, q_segment_ids, kv_segment_ids, alibi_slopes):
+def from_arguments(q, k, logits_soft_cap, q_segment_ids, kv_segment_ids, alibi_slopes,
+                   dropout_rate=0.0, dropout_seed=None, broadcast_dropout=False):
   """The static `KernelMods` and the dynamic `ModArrays` of a call to `ops.attention`,
   checked (q [B, T, Hq, D], k [B, S, Hkv, D])."""
   (batch, q_len, heads_q, _), kv_len = q.shape, k.shape[1]
@@ -108,9 +131,30 @@ def from_arguments(q, k, logits_soft_cap, q_segment_ids, kv_segment_ids, alibi_s
       raise ValueError(f"alibi_slopes must have shape {(heads_q,)} (one per query head), got "
                        f"{list(alibi_slopes.shape)}")
     alibi_slopes = constant_slopes(alibi_slopes.astype(jnp.float32))
+  if not isinstance(dropout_rate, (int, float)) or not 0.0 <= dropout_rate < 1.0:
+    raise ValueError(f"dropout_rate must be a Python float in [0, 1), got {dropout_rate!r}")
+  dropout_rate = float(dropout_rate)
+  prefix = None
+  if dropout_rate > 0.0:
+    if dropout_seed is None:
+      raise ValueError(f"dropout_rate={dropout_rate} needs dropout_seed (uint32 [2], e.g. "
+                       f"pallas_attn.dropout.seed_from_key(key))")
+    if dropout_seed.shape != (2,) or not jnp.issubdtype(dropout_seed.dtype, jnp.integer):
+      raise ValueError(f"dropout_seed must be integers of shape (2,), got "
+                       f"{dropout_seed.dtype}{list(dropout_seed.shape)}")
+    seed = jax.lax.bitcast_convert_type(dropout_seed.astype(jnp.int32), jnp.uint32)
+    seed = jax.lax.stop_gradient(seed)
+    if broadcast_dropout:  # one mask for every (batch, head): hash batch 0, head 0
+      prefix = jnp.broadcast_to(dropout_lib.row_prefix(seed, jnp.int32(0), jnp.int32(0)),
+                                (batch, heads_q))
+    else:
+      prefix = dropout_lib.row_prefix(seed, jnp.arange(batch, dtype=jnp.int32)[:, None],
+                                      jnp.arange(heads_q, dtype=jnp.int32)[None, :])
   mods = KernelMods(soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
-                    segment_ids=q_segment_ids is not None, alibi=alibi_slopes is not None)
-  return mods, ModArrays(q_segment_ids, kv_segment_ids, alibi_slopes)
+                    segment_ids=q_segment_ids is not None, alibi=alibi_slopes is not None,
+                    dropout_rate=dropout_rate,
+                    broadcast_dropout=bool(broadcast_dropout) and dropout_rate > 0.0)
+  return mods, ModArrays(q_segment_ids, kv_segment_ids, alibi_slopes, prefix)
 
 
 class Columns(NamedTuple):
@@ -153,6 +197,7 @@ class TileScorer:
   transposed: bool = False
   row_segment_ids: Any = None  # int32 [rows], WGMMA row layout
   slope: Any = None  # float32 scalar: the ALiBi slope of the current head
+  dropout_prefix: Any = None  # uint32 scalar: the dropout hash prefix of (batch, current head)
 
   @classmethod
   def create(cls, mods: KernelMods, spec: mask_lib.MaskSpec, scale: float, refs: ModArrays, *,
@@ -168,10 +213,14 @@ class TileScorer:
     return scorer if head is None else scorer.for_head(head)
 
   def for_head(self, head) -> TileScorer:
-    """This scorer for query head `head` (reads its ALiBi slope)."""
-    if not self.mods.alibi:
-      return self
-    return dataclasses.replace(self, slope=self.refs.alibi_slopes[head])
+    """This scorer for query head `head` (reads its ALiBi slope and dropout hash prefix)."""
+    scorer = self
+    if self.mods.alibi:
+      scorer = dataclasses.replace(scorer, slope=self.refs.alibi_slopes[head])
+    if self.mods.dropout_rate > 0.0:
+      scorer = dataclasses.replace(scorer,
+                                   dropout_prefix=self.refs.dropout_prefix[self.batch, head])
+    return scorer
 
   def columns(self, block, size: int) -> Columns:
     """The columns of the next tile: block `block` of `size` positions. Call it before waiting
@@ -219,6 +268,21 @@ class TileScorer:
     if keep is not None:
       s = jnp.where(keep, s, -jnp.inf)
     return s, tanh_s
+
+  def dropout_keep(self, s, cols: Columns):
+    """bool tile (the shape and layout of `s`): the weights that survive dropout; None without
+    dropout. Computed once per tile and used by `dropped` on each tile it applies to."""
+    if self.mods.dropout_rate == 0.0:
+      return None
+    q_pos, kv_pos = self._positions(s, cols)
+    return dropout_lib.keep_from_prefix(self.dropout_prefix, q_pos, kv_pos,
+                                        self.mods.dropout_rate)
+
+  def dropped(self, x, keep):
+    """x where kept, scaled by 1 / (1 - rate); 0 where dropped. x itself without dropout."""
+    if keep is None:
+      return x
+    return jnp.where(keep, x * (1.0 / (1.0 - self.mods.dropout_rate)), 0.0)
 
   def _positions(self, s, cols: Columns):
     return common.tile_positions(*s.shape, self.row_start, cols.start, self.transposed)

@@ -59,7 +59,8 @@ def _static(head_dim: int, scale: float, spec: mask_lib.MaskSpec, interpret: boo
 def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
               interpret: bool = False, fwd_cfg: config_lib.KernelConfig | None = None,
               logits_soft_cap: float | None = None, q_segment_ids=None, kv_segment_ids=None,
-              alibi_slopes=None):
+              alibi_slopes=None, dropout_rate: float = 0.0, dropout_seed=None,
+              broadcast_dropout: bool = False):
   """q [B, T, Hq, D], k/v [B, S, Hkv, D] (bf16/f16), lengths int32 [B] or None.
   `fwd_cfg` overrides the forward tiles (benchmarks compare variants with it).
 
@@ -71,11 +72,18 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
       Constants: no gradient flows to them, and differentiating with respect to them raises
       TypeError (use `jax.lax.stop_gradient` on trainable slopes, or the portable path to train
       them).
+    dropout_rate: static float in [0, 1): attention-weight dropout inside the kernels, the same
+      keep-mask as the portable path (`pallas_attn.dropout`); kept weights are scaled by
+      1 / (1 - rate); the lse stays that of the undropped softmax.
+    dropout_seed: uint32 or int32 [2] (`pallas_attn.dropout.seed_from_key(key)`); needed when
+      dropout_rate > 0.
+    broadcast_dropout: one keep-mask for every batch element and head.
 
   Returns (out [B, T, Hq, D], lse [B, Hq, T] float32 with +inf on rows that saw no key).
   """
   mods, mod_arrays = mods_lib.from_arguments(q, k, logits_soft_cap, q_segment_ids,
-                                             kv_segment_ids, alibi_slopes)
+                                             kv_segment_ids, alibi_slopes, dropout_rate,
+                                             dropout_seed, broadcast_dropout)
   static = _static(q.shape[-1], scale, spec, interpret, fwd_cfg, mods)
   return _attention(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
 
@@ -135,7 +143,7 @@ def _sharded_forward(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_array
                                       auto_axes=not static.interpret)
 
 
-# mod_arrays: q_segment_ids, kv_segment_ids, alibi_slopes (each None when absent).
+# mod_arrays: q_segment_ids, kv_segment_ids, alibi_slopes, dropout_prefix (each None when absent).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   return _sharded_forward(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
@@ -153,8 +161,8 @@ def _attention_bwd(static, res, cotangents):
       functools.partial(_backward_pass, static), sharding.BACKWARD,
       q, k, v, d_out, lse, numerics.delta(d_out, out), q_lengths, kv_lengths, *mod_arrays,
       auto_axes=not static.interpret)
-  # No cotangent for the lengths, the segment ids nor the ALiBi slopes (constants: see
-  # `mods.constant_slopes`).
+  # No cotangent for the lengths, the segment ids, the dropout prefix nor the ALiBi slopes
+  # (constants: see `mods.constant_slopes`).
   return (dq, dk, dv, None, None) + (None,) * len(mod_arrays)
 
 
