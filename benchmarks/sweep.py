@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import impls as impls_lib
+from benchmarks import masking
 from benchmarks import memory
 from benchmarks import report
 from benchmarks import shapes as shapes_lib
@@ -92,7 +93,8 @@ def attention_row(ctx: dict, impl: impls_lib.Impl, shape: Shape, pass_: str, dty
           "flops": timing.attention_flops(shape, pass_), "peak_bytes": None, "temp_bytes": None,
           "alloc_peak_bytes": None, "max_rel_err": None, "error": None, "error_kind": None,
           "compile_s": None, "calls_per_repeat": None, "repeats": None,
-          "interpret": impl.interpret, "impl_version": impl.version, **ctx}
+          "interpret": impl.interpret, "impl_version": impl.version,
+          **masking.masking_fields(impl.name, shape), **ctx}
 
 
 def _fail(row: dict, error: BaseException) -> dict:
