@@ -1,7 +1,9 @@
 """The implementations compared, by name, and the two functions each one is timed as.
 
 Every implementation is a callable `attend(q, k, v, *, is_causal)` on [batch, seq, heads,
-head_dim] arrays. The sweep times it as
+head_dim] arrays; on the masked shapes it also gets `window` (local_window_size=(window, 0)) and
+`segment_len` (packed documents: pallas_attn gets segment ids, jax.nn and tokamax, which have none,
+a dense boolean mask). The sweep times it as
   fwd:     (q, k, v) -> out
   fwd_bwd: (q, k, v, d_out) -> (dq, dk, dv), through `jax.vjp` with a random cotangent d_out,
 and checks both against the float32 reference (`pallas_attn.reference_attention` on upcast inputs).
@@ -66,16 +68,38 @@ def _tokamax():
   return tokamax, None
 
 
+def _window(window: int | None):
+  return None if window is None else (window, 0)
+
+
+def _document_ids(seq: int, segment_len: int) -> jax.Array:
+  """int32 [seq] document ids, built inside the timed function (an iota: no extra argument)."""
+  return jnp.arange(seq, dtype=jnp.int32) // segment_len
+
+
+def _document_mask(seq: int, segment_len: int | None) -> jax.Array | None:
+  """bool [1, 1, seq, seq]: query and key in the same document (for APIs without segment ids)."""
+  if segment_len is None:
+    return None
+  ids = _document_ids(seq, segment_len)
+  return (ids[:, None] == ids[None, :])[None, None]
+
+
 def _pallas_attn(implementation: str, interpret: bool):
-  def attend(q, k, v, *, is_causal):
+  def attend(q, k, v, *, is_causal, window=None, segment_len=None):
+    ids = None
+    if segment_len is not None:
+      ids = jnp.broadcast_to(_document_ids(q.shape[1], segment_len), q.shape[:2])
     return pallas_attn.attention(q, k, v, is_causal=is_causal, implementation=implementation,
-                                 interpret=interpret)
+                                 interpret=interpret, local_window_size=_window(window),
+                                 segment_ids=ids)
   return attend
 
 
 def _jax_nn(implementation: str):
-  def attend(q, k, v, *, is_causal):
-    return jax.nn.dot_product_attention(q, k, v, is_causal=is_causal,
+  def attend(q, k, v, *, is_causal, window=None, segment_len=None):
+    return jax.nn.dot_product_attention(q, k, v, mask=_document_mask(q.shape[1], segment_len),
+                                        is_causal=is_causal, local_window_size=_window(window),
                                         implementation=implementation)
   return attend
 
@@ -85,9 +109,14 @@ def _tokamax_impl(name: str, implementation: str) -> Impl:
   if tokamax is None:
     return Impl(name, None, unavailable=why)
 
-  def attend(q, k, v, *, is_causal):
+  def attend(q, k, v, *, is_causal, window=None, segment_len=None):
+    masking = {}  # only what the call needs: an older tokamax may lack an argument
+    if window is not None:
+      masking["local_window_size"] = _window(window)
+    if segment_len is not None:
+      masking["mask"] = _document_mask(q.shape[1], segment_len)
     return tokamax.dot_product_attention(q, k, v, is_causal=is_causal,
-                                         implementation=implementation)
+                                         implementation=implementation, **masking)
   return Impl(name, attend, version=getattr(tokamax, "__version__", None))
 
 
@@ -135,19 +164,19 @@ def wanted(impl: Impl, shape: Shape, platform: str) -> bool:
 # ---- the timed functions and their inputs --------------------------------------------------
 
 
-def fwd_fn(attend, causal: bool):
-  return lambda q, k, v: attend(q, k, v, is_causal=causal)
+def fwd_fn(attend, causal: bool, masking: dict | None = None):
+  return lambda q, k, v: attend(q, k, v, is_causal=causal, **(masking or {}))
 
 
-def fwd_bwd_fn(attend, causal: bool):
+def fwd_bwd_fn(attend, causal: bool, masking: dict | None = None):
   def fwd_bwd(q, k, v, d_out):
-    _, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, is_causal=causal), q, k, v)
+    _, vjp = jax.vjp(fwd_fn(attend, causal, masking), q, k, v)
     return vjp(d_out)
   return fwd_bwd
 
 
 def timed_fn(attend, shape: Shape, pass_: str):
-  return (fwd_fn if pass_ == "fwd" else fwd_bwd_fn)(attend, shape.causal)
+  return (fwd_fn if pass_ == "fwd" else fwd_bwd_fn)(attend, shape.causal, shape.masking)
 
 
 def arg_specs(shape: Shape, pass_: str, dtype) -> tuple[jax.ShapeDtypeStruct, ...]:
@@ -166,12 +195,15 @@ def random_inputs(shape: Shape, dtype, seed: int):
 
 def reference_fns(shape: Shape):
   """The float32 oracle: (fwd, fwd_bwd) over float32 copies of the inputs."""
-  def attend(q, k, v, *, is_causal):
-    spec = pallas_attn.MaskSpec(is_causal=is_causal)
-    out, _ = pallas_attn.reference_attention(q, k, v, scale=1 / math.sqrt(shape.head_dim),
-                                             spec=spec)
+  def attend(q, k, v, *, is_causal, window=None, segment_len=None):
+    # Packed documents as a dense mask: an oracle independent of the segment-id paths.
+    spec = pallas_attn.MaskSpec(is_causal=is_causal, local_window=_window(window))
+    mask = _document_mask(q.shape[1], segment_len)
+    out, _ = pallas_attn.reference_attention(q, k, v, mask=mask, spec=spec,
+                                             scale=1 / math.sqrt(shape.head_dim))
     return out
 
   def upcast(fn):
     return lambda *args: fn(*(a.astype(jnp.float32) for a in args))
-  return upcast(fwd_fn(attend, shape.causal)), upcast(fwd_bwd_fn(attend, shape.causal))
+  return (upcast(fwd_fn(attend, shape.causal, shape.masking)),
+          upcast(fwd_bwd_fn(attend, shape.causal, shape.masking)))

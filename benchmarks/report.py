@@ -14,6 +14,8 @@ import json
 import pathlib
 import re
 
+from benchmarks.shapes import masking_suffix
+
 SHORT = {
     "pallas_attn:mosaic_gpu": "mosaic_gpu",
     "pallas_attn:blocked_jax": "blocked_jax",
@@ -24,7 +26,9 @@ SHORT = {
     "tokamax_triton": "tok_triton",
 }
 ORDER = list(SHORT)
-SHAPE_KEYS = ("family", "batch", "seq_q", "seq_kv", "heads_q", "heads_kv", "head_dim", "causal")
+# window and segment_len (the masked shapes) are absent from older rows: read as None there.
+SHAPE_KEYS = ("family", "batch", "seq_q", "seq_kv", "heads_q", "heads_kv", "head_dim", "causal",
+              "window", "segment_len")
 ERROR_LABEL = {"oom": "OOM", "unsupported": "unsup", "error": "error", "skipped": "skip",
                "wrong": "NaN"}
 
@@ -39,7 +43,7 @@ def load(path) -> list[dict]:
 
 def measurement_key(row: dict) -> tuple:
   """What identifies a measurement: implementation, pass, dtype and shape."""
-  return (row["implementation"], row["pass"], row["dtype"]) + tuple(row[k] for k in SHAPE_KEYS)
+  return (row["implementation"], row["pass"], row["dtype"]) + _shape_key(row)
 
 
 def attention_rows(rows, kind: str = "attention") -> list[dict]:
@@ -86,11 +90,12 @@ def shape_label(row) -> str:
            else f"h{row['heads_q']}/{row['heads_kv']}")
   seq = (f"s{row['seq_q']}" if row["seq_q"] == row["seq_kv"]
          else f"s{row['seq_q']}x{row['seq_kv']}")
-  return f"b{row['batch']} {seq} {heads} d{row['head_dim']}{' causal' if row['causal'] else ''}"
+  return (f"b{row['batch']} {seq} {heads} d{row['head_dim']}{' causal' if row['causal'] else ''}"
+          + masking_suffix(row.get("window"), row.get("segment_len")))
 
 
 def _shape_key(row):
-  return tuple(row[k] for k in SHAPE_KEYS)
+  return tuple(row.get(k) for k in SHAPE_KEYS)
 
 
 def _grouped(rows):
@@ -214,6 +219,39 @@ def max_seq_table(rows) -> str:
           + _table(["impl", "pass", "max seq", "its peak MiB", "first failure"], lines))
 
 
+def _unmasked_twin(row, by_key: dict):
+  """The same implementation, pass and dims without the window or documents (None if absent)."""
+  key = measurement_key(dict(row, window=None, segment_len=None))
+  twins = [r for k, r in by_key.items() if k[:3] + k[4:] == key[:3] + key[4:]]
+  return next((r for r in twins if ok(r)), None)
+
+
+def masked_table(rows) -> str:
+  """The masked shapes (sliding window, packed documents): per implementation and pass, the time,
+  the visible share of the scores, the share of pallas_attn's tiles skipped, and the speedup over
+  the same call without the mask (plain causal; from any family, matched on the dims)."""
+  rows = attention_rows(rows)
+  masked = [r for r in rows if r.get("window") is not None or r.get("segment_len") is not None]
+  if not masked:
+    return ""
+  by_key = {measurement_key(r): r for r in rows}
+  lines = []
+  for row in masked:
+    twin = _unmasked_twin(row, by_key)
+    frac = lambda x: "-" if x is None else f"{x:.3f}"
+    name = SHORT.get(row["implementation"], row["implementation"])
+    ms = f"{row['ms']:.3g}" if ok(row) else ERROR_LABEL.get(row.get("error_kind"), "error")
+    lines.append([shape_label(row), name + (" (dense mask)" if row.get("dense_mask") else ""),
+                  row["pass"], ms, frac(row.get("visible_fraction")),
+                  frac(row.get("skipped_block_fraction")),
+                  f"{twin['ms'] / row['ms']:.2f}x" if twin and ok(row) else "-"])
+  return ("masked paths: ms per call; visible = share of (query, key) pairs the mask keeps; "
+          "skipped = share of pallas_attn's forward tiles never computed; vs unmasked = time of "
+          "the same call without the mask / this time (the TFLOP/s above credit the dense causal "
+          "count)\n"
+          + _table(["shape", "impl", "pass", "ms", "visible", "skipped", "vs unmasked"], lines))
+
+
 def check_table(rows) -> str:
   """Per implementation: how many measurements ran, failed (by kind), and the largest error."""
   rows = attention_rows(rows)
@@ -266,8 +304,8 @@ def summary(rows, memory: bool = True) -> str:
     parts.append(f"matmul ceiling ({ceil['dtype']} {ceil['m']}^3, timed the same way): "
                  f"{ceil['tflops']:.4g} TFLOP/s")
   skipped = sum(r.get("error_kind") == "skipped" for r in attention_rows(rows))
-  for table in (speed_table(rows), memory_table(rows) if memory else "", max_seq_table(rows),
-                check_table(rows), error_lines(rows)):
+  for table in (speed_table(rows), memory_table(rows) if memory else "", masked_table(rows),
+                max_seq_table(rows), check_table(rows), error_lines(rows)):
     if table:
       parts.append(table)
   if skipped:

@@ -3,8 +3,9 @@
 The main family is the FlashAttention papers' sweep: batch x seq = 16384 tokens and hidden size
 2048, i.e. 32 heads of 64, 16 heads of 128 or 8 heads of 256, seq 512 ... 16384, causal and not.
 Around it: long context at batch 1, grouped-query attention (32 query heads over 8 kv heads) and
-decode-like calls (a few queries over a long KV cache). The CPU presets are tiny versions of the
-same families, small enough for the interpreter and the portable path on two cores.
+decode-like calls (a few queries over a long KV cache), and the masked paths (a sliding window,
+packed documents). The CPU presets are tiny versions of the same families, small enough for the
+interpreter and the portable path on two cores.
 """
 
 from __future__ import annotations
@@ -27,12 +28,20 @@ class Shape:
   heads_kv: int
   head_dim: int
   causal: bool
-  family: str  # "fa", "long", "gqa", "decode", "cpu", ...: which question the shape answers
+  family: str  # "fa", "long", "gqa", "decode", "masked", "cpu", ...: which question it answers
+  # The masked paths: query i sees keys i - window ... i (local_window_size=(window, 0)), and/or
+  # only keys of its own document, the sequence cut into documents of segment_len tokens.
+  window: int | None = None
+  segment_len: int | None = None
 
   def __post_init__(self):
     for name in ("batch", "seq_q", "seq_kv", "heads_q", "heads_kv", "head_dim"):
       if getattr(self, name) < 1:
         raise ValueError(f"Shape.{name} must be positive, got {getattr(self, name)}")
+    if self.segment_len is not None and (self.segment_len < 1 or self.seq_q != self.seq_kv):
+      raise ValueError(f"segment_len ({self.segment_len}) needs seq_q == seq_kv and >= 1")
+    if self.window is not None and self.window < 0:
+      raise ValueError(f"Shape.window must be non-negative, got {self.window}")
     if self.heads_q % self.heads_kv:
       raise ValueError(f"heads_q ({self.heads_q}) must be a multiple of heads_kv "
                        f"({self.heads_kv})")
@@ -42,7 +51,14 @@ class Shape:
     heads = (f"h{self.heads_q}" if self.heads_q == self.heads_kv
              else f"h{self.heads_q}/{self.heads_kv}")
     seq = f"s{self.seq_q}" if self.seq_q == self.seq_kv else f"s{self.seq_q}x{self.seq_kv}"
-    return f"b{self.batch} {seq} {heads} d{self.head_dim}{' causal' if self.causal else ''}"
+    return (f"b{self.batch} {seq} {heads} d{self.head_dim}{' causal' if self.causal else ''}"
+            + masking_suffix(self.window, self.segment_len))
+
+  @property
+  def masking(self) -> dict:
+    """The masked-path arguments of the timed call ({} for a plain shape)."""
+    return {k: v for k, v in (("window", self.window), ("segment_len", self.segment_len))
+            if v is not None}
 
   @property
   def score_elements(self) -> int:
@@ -52,6 +68,12 @@ class Shape:
   def fields(self) -> dict:
     """The shape's columns in a results row."""
     return dataclasses.asdict(self)
+
+
+def masking_suffix(window: int | None, segment_len: int | None) -> str:
+  """" win1024", " doc2048" or "" in a shape's name (also the report's labels)."""
+  return ((f" win{window}" if window is not None else "")
+          + (f" doc{segment_len}" if segment_len is not None else ""))
 
 
 def fa_sweep(seqs=(512, 1024, 2048, 4096, 8192, 16384), head_dims=(64, 128, 256),
@@ -74,6 +96,22 @@ def gqa(seqs=(4096, 16384), causal=(True,)) -> list[Shape]:
 def decode(q_lens=(1, 16), kv_len=32768, batch=16) -> list[Shape]:
   """A few new queries over a long KV cache (GQA 32/8): bound by reading K and V."""
   return [Shape(batch, q, kv_len, 32, 8, 128, False, "decode") for q in q_lens]
+
+
+def masked(seq=16384, window=1024, segment_len=2048) -> list[Shape]:
+  """The masked paths at batch 1, 16 heads of 128, causal: a sliding window of `window` keys back,
+  and packed documents of `segment_len` tokens (compare with the plain causal shape of the same
+  size in `fa`). FLOPs are credited as for dense causal attention (see timing.py)."""
+  return [Shape(1, seq, seq, 16, 16, 128, True, "masked", window=window),
+          Shape(1, seq, seq, 16, 16, 128, True, "masked", segment_len=segment_len)]
+
+
+def masked_tiny() -> list[Shape]:
+  """The masked family on the CPU: the first two small enough for the interpreter."""
+  return [Shape(1, 128, 128, 2, 2, 64, True, "cpu_masked", window=32),
+          Shape(1, 128, 128, 2, 2, 64, True, "cpu_masked", segment_len=32),
+          Shape(1, 512, 512, 2, 2, 64, True, "cpu_masked", window=128),
+          Shape(1, 512, 512, 2, 2, 64, True, "cpu_masked", segment_len=128)]
 
 
 def cpu_sweep() -> list[Shape]:
@@ -110,6 +148,8 @@ PRESETS = {
     "long": long_context,
     "gqa": gqa,
     "decode": decode,
+    "masked": masked,
+    "masked_tiny": masked_tiny,
     "cpu": cpu_sweep,
     "tiny": tiny_sweep,
     "none": lambda: [],

@@ -2,7 +2,9 @@
 
 For each shape: compile every (implementation, pass) it is measured with (in parallel threads when
 asked; compiling needs no data), draw fresh random inputs, compute the float32 reference once, then
-time the calls one after another on an otherwise idle device, each checked against the reference.
+time the calls one after another, each checked against the reference. With compile-ahead, the next
+shapes' calls compile on the host in background threads while a shape is timed (see CompileAhead;
+jobs that would autotune on the device are not among them).
 Anything that fails (an unsupported shape, a missing package, out of memory) becomes a row whose
 `error` says why, and the sweep goes on.
 """
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import impls as impls_lib
+from benchmarks import masking
 from benchmarks import memory
 from benchmarks import report
 from benchmarks import shapes as shapes_lib
@@ -42,6 +45,8 @@ class SweepConfig:
   # (the reference materializes it, with its gradient, in float32).
   check_max_scores: int = 2 ** 30
   compile_workers: int = 1
+  # Shapes whose calls compile in background threads while the current shape is timed (0: off).
+  compile_ahead: int = 0
   seed: int = 0
   time_budget_s: float | None = None  # past it, remaining measurements are recorded as skipped
   all_pairs: bool = False  # measure every implementation at every shape (see impls.wanted)
@@ -88,7 +93,8 @@ def attention_row(ctx: dict, impl: impls_lib.Impl, shape: Shape, pass_: str, dty
           "flops": timing.attention_flops(shape, pass_), "peak_bytes": None, "temp_bytes": None,
           "alloc_peak_bytes": None, "max_rel_err": None, "error": None, "error_kind": None,
           "compile_s": None, "calls_per_repeat": None, "repeats": None,
-          "interpret": impl.interpret, "impl_version": impl.version, **ctx}
+          "interpret": impl.interpret, "impl_version": impl.version,
+          **masking.masking_fields(impl.name, shape), **ctx}
 
 
 def _fail(row: dict, error: BaseException) -> dict:
@@ -106,20 +112,22 @@ def compile_call(impl: impls_lib.Impl, shape: Shape, pass_: str, dtype):
   return compiled, time.perf_counter() - start
 
 
+def _attempt(thunk):
+  try:
+    return thunk(), None
+  except Exception as e:  # pylint: disable=broad-except
+    return None, e
+
+
 def _compile_all(jobs: dict, workers: int) -> dict:
   """{key: thunk} -> {key: (result, None) or (None, exception)}, in `workers` threads. A job that
   fails in a thread is retried on the main thread, so threading can never be the cause."""
-  def attempt(thunk):
-    try:
-      return thunk(), None
-    except Exception as e:  # pylint: disable=broad-except
-      return None, e
   if workers <= 1 or len(jobs) <= 1:
-    return {key: attempt(thunk) for key, thunk in jobs.items()}
+    return {key: _attempt(thunk) for key, thunk in jobs.items()}
   with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-    futures = {key: pool.submit(attempt, thunk) for key, thunk in jobs.items()}
+    futures = {key: pool.submit(_attempt, thunk) for key, thunk in jobs.items()}
     results = {key: f.result() for key, f in futures.items()}
-  return {key: (attempt(jobs[key]) if err is not None else (res, err))
+  return {key: (_attempt(jobs[key]) if err is not None else (res, err))
           for key, (res, err) in results.items()}
 
 
@@ -190,60 +198,140 @@ def plan(shapes: Iterable[Shape], impls: list[impls_lib.Impl], cfg: SweepConfig,
   return out
 
 
+# Jobs whose compilation may run kernels on the device: XLA's GPU autotuner times candidate
+# kernels for the gemm fusions of the dense and portable paths (and the float32 reference). These
+# are never compiled ahead, so no autotuning kernel shares the device with a timed call.
+AUTOTUNED_ON_DEVICE = frozenset({"jax_xla", "pallas_attn:reference", "pallas_attn:blocked_jax",
+                                 "reference_f32"})
+
+
+def _shape_jobs(shape: Shape, tasks, cfg: SweepConfig, check: bool) -> dict:
+  """{(name, pass): thunk} compiling what one shape is measured with (and its f32 reference)."""
+  dtype = cfg.jnp_dtype
+  jobs = {(impl.name, p): (lambda impl=impl, p=p: compile_call(impl, shape, p, dtype))
+          for impl, p in tasks}
+  if check:
+    ref_fwd, ref_bwd = impls_lib.reference_fns(shape)
+    for p, fn in (("fwd", ref_fwd), ("fwd_bwd", ref_bwd)):
+      if p in cfg.passes:
+        jobs[("reference_f32", p)] = (
+            lambda fn=fn, p=p: jax.jit(fn).lower(*impls_lib.arg_specs(shape, p, dtype)).compile())
+  return jobs
+
+
+class CompileAhead:
+  """Compiles the calls of the next `ahead` shapes in a thread pool while the current one is
+  timed (the sweep is compile-bound on a GPU). `take(index, jobs)` returns a shape's results in
+  `_compile_all`'s form: what was compiled ahead is waited for, the rest (the jobs that autotune on
+  the device, or everything when `ahead` is 0) is compiled then, before any of its calls is timed.
+  A job that failed in a thread is retried on the calling thread, as in `_compile_all`."""
+
+  def __init__(self, workers: int, ahead: int):
+    self.workers, self.ahead = max(1, workers), max(0, ahead)
+    self.pool = None
+    if self.ahead:
+      self.pool = concurrent.futures.ThreadPoolExecutor(self.workers,
+                                                        thread_name_prefix="compile-ahead")
+    self.pending: dict[int, dict] = {}  # shape index -> {key: future}
+
+  def prefetch(self, index: int, jobs: dict):
+    if self.pool is None or index in self.pending:
+      return
+    self.pending[index] = {key: self.pool.submit(_attempt, thunk) for key, thunk in jobs.items()
+                           if key[0] not in AUTOTUNED_ON_DEVICE}
+
+  def take(self, index: int, jobs: dict) -> dict:
+    futures = self.pending.pop(index, {})
+    ahead = {key: f.result() for key, f in futures.items() if key in jobs}
+    results = _compile_all({k: t for k, t in jobs.items() if k not in ahead}, self.workers)
+    for key, (res, err) in ahead.items():
+      results[key] = _attempt(jobs[key]) if err is not None else (res, err)
+    return {key: results[key] for key in jobs}
+
+  def drop(self, index: int):
+    """Forgets a shape's compiles (the time budget ran out before it): queued ones never start."""
+    for future in self.pending.pop(index, {}).values():
+      future.cancel()
+
+  def close(self):
+    if self.pool is not None:
+      self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def run_sweep(shapes: Iterable[Shape], impls: list[impls_lib.Impl], cfg: SweepConfig,
               emit: Callable[[dict], None], progress=NullProgress(),
               ceiling_tflops: float | None = None, ctx: dict | None = None,
               done: frozenset = frozenset()):
-  """Measures the plan, calling `emit(row)` for each row as soon as it is known."""
+  """Measures the plan, calling `emit(row)` for each row as soon as it is known.
+
+  With `cfg.compile_ahead` > 0 the next shapes' calls compile in background threads while a
+  shape is timed; every call is compiled before its own shape's first timing starts, and the
+  rows come out in the same order as without it."""
   ctx = ctx or run_context()
   plat = platform()
   dtype = cfg.jnp_dtype
   start = time.perf_counter()
-  for index, (shape, tasks) in enumerate(plan(shapes, impls, cfg, plat, done)):
-    over_budget = (cfg.time_budget_s is not None
-                   and time.perf_counter() - start > cfg.time_budget_s)
-    jobs = {} if over_budget else {
-        (impl.name, p): (lambda impl=impl, p=p: compile_call(impl, shape, p, dtype))
-        for impl, p in tasks}
-    check = not over_budget and shape.score_elements <= cfg.check_max_scores
-    if check:
-      ref_fwd, ref_bwd = impls_lib.reference_fns(shape)
-      for p, fn in (("fwd", ref_fwd), ("fwd_bwd", ref_bwd)):
-        if p in cfg.passes:
-          jobs[("reference_f32", p)] = (
-              lambda fn=fn, p=p: jax.jit(fn).lower(*impls_lib.arg_specs(shape, p, dtype)).compile())
-    if jobs:
-      progress.note(f"compiling {len(jobs)} calls at {shape.name}")
-    compiled = _compile_all(jobs, cfg.compile_workers)
+  planned = plan(shapes, impls, cfg, plat, done)
+  checked = [shape.score_elements <= cfg.check_max_scores for shape, _ in planned]
+  pipeline = CompileAhead(cfg.compile_workers, cfg.compile_ahead)
+  over_budget = lambda: (cfg.time_budget_s is not None
+                         and time.perf_counter() - start > cfg.time_budget_s)
+  try:
+    for index, (shape, tasks) in enumerate(planned):
+      skipping = over_budget()
+      if skipping:
+        pipeline.drop(index)
+        compiled = {}
+      else:
+        jobs = _shape_jobs(shape, tasks, cfg, checked[index])
+        progress.note(f"compiling {len(jobs)} calls at {shape.name}")
+        compiled = pipeline.take(index, jobs)
+        for ahead in range(index + 1, min(index + 1 + cfg.compile_ahead, len(planned))):
+          pipeline.prefetch(ahead, _shape_jobs(*planned[ahead], cfg, checked[ahead]))
+      _time_shape(shape, tasks, index, cfg, compiled, None if skipping else checked[index],
+                  emit, progress, ceiling_tflops, ctx, over_budget)
+      del compiled
+  finally:
+    pipeline.close()
 
-    inputs = None if over_budget else impls_lib.random_inputs(shape, dtype, cfg.seed + index)
-    refs = {}
-    for p in cfg.passes if check else ():
-      ref_compiled, err = compiled[("reference_f32", p)]
-      if err is None:
-        try:
-          refs[p] = jax.block_until_ready(ref_compiled(*inputs[:3 if p == "fwd" else 4]))
-        except Exception:  # pylint: disable=broad-except  (unchecked rather than failed)
-          pass
-    for impl, p in tasks:
-      progress.step(f"{impl.name} {p} {shape.name}")
-      row = attention_row(ctx, impl, shape, p, dtype)
-      if over_budget or (cfg.time_budget_s is not None
-                         and time.perf_counter() - start > cfg.time_budget_s):
-        row["error_kind"], row["error"] = "skipped", "skipped: --time-budget exhausted"
-        emit(row)
-        continue
-      result, err = compiled[(impl.name, p)]
-      if err is not None:
-        emit(_fail(row, err))
-        continue
-      executable, row["compile_s"] = result
-      row.update(memory.compiled_memory(executable))
-      cfg_t = cfg.interpret_timing if impl.interpret else cfg.timing
-      args = inputs[:3] if p == "fwd" else inputs
-      emit(measure(executable, args, row, shape, p, cfg_t, refs.get(p), ceiling_tflops))
-      del executable, result
-    del inputs, refs, compiled
+
+def _reference_outputs(compiled: dict, inputs, passes) -> dict:
+  """{pass: float32 reference outputs} for the passes whose reference compiled and ran."""
+  refs = {}
+  for p in passes:
+    ref_compiled, err = compiled[("reference_f32", p)]
+    if err is None:
+      try:
+        refs[p] = jax.block_until_ready(ref_compiled(*inputs[:3 if p == "fwd" else 4]))
+      except Exception:  # pylint: disable=broad-except  (unchecked rather than failed)
+        pass
+  return refs
+
+
+def _time_shape(shape: Shape, tasks, index: int, cfg: SweepConfig, compiled: dict,
+                check: bool | None, emit, progress, ceiling_tflops, ctx: dict, over_budget):
+  """Times one shape's compiled calls one after another; `check` None: the shape is skipped."""
+  dtype = cfg.jnp_dtype
+  skipping = check is None
+  inputs = None if skipping else impls_lib.random_inputs(shape, dtype, cfg.seed + index)
+  refs = _reference_outputs(compiled, inputs, cfg.passes) if check else {}
+  for impl, p in tasks:
+    progress.step(f"{impl.name} {p} {shape.name}")
+    row = attention_row(ctx, impl, shape, p, dtype)
+    if skipping or over_budget():
+      row["error_kind"], row["error"] = "skipped", "skipped: --time-budget exhausted"
+      emit(row)
+      continue
+    result, err = compiled[(impl.name, p)]
+    if err is not None:
+      emit(_fail(row, err))
+      continue
+    executable, row["compile_s"] = result
+    row.update(memory.compiled_memory(executable))
+    cfg_t = cfg.interpret_timing if impl.interpret else cfg.timing
+    args = inputs[:3] if p == "fwd" else inputs
+    emit(measure(executable, args, row, shape, p, cfg_t, refs.get(p), ceiling_tflops))
+    del executable, result
 
 
 def max_seq_rows(impl: impls_lib.Impl, seqs: list[int], cfg: SweepConfig, execute: bool,

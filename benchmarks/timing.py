@@ -10,7 +10,9 @@ few. The reported time is the median repeat's time per call.
 
 FLOPs are counted the FlashAttention way (Dao et al.): forward 4 * B * Hq * Sq * Skv * D (two
 matmuls of 2 * Sq * Skv * D each, per batch and head), halved when causal; forward+backward 3.5x
-forward (the backward does five matmuls to the forward's two, 2.5x).
+forward (the backward does five matmuls to the forward's two, 2.5x). The masked shapes (a sliding
+window, packed documents) are credited the same dense causal count: what they skip shows as a
+higher rate (benchmarks/masking.py says how much there is to skip).
 """
 
 from __future__ import annotations

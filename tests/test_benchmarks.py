@@ -12,6 +12,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 
 from benchmarks import impls  # noqa: E402
+from benchmarks import masking  # noqa: E402
 from benchmarks import report  # noqa: E402
 from benchmarks import run  # noqa: E402
 from benchmarks import shapes  # noqa: E402
@@ -119,6 +120,96 @@ def test_failures_become_rows_and_the_sweep_goes_on():
     check_schema(row)
 
 
+def test_compile_ahead_gives_the_same_rows():
+  """Compile-ahead (the next shapes compile in threads while one is timed) changes neither the
+  rows, their order, nor what a failed compile becomes; the jobs it may run ahead do run in a
+  background thread."""
+  import threading  # pylint: disable=import-outside-toplevel
+  traced_in = []
+
+  def xla_traced(q, k, v, *, is_causal):
+    traced_in.append(threading.current_thread().name)
+    return jax_nn_xla(q, k, v, is_causal=is_causal)
+
+  def refuses(q, k, v, *, is_causal):
+    raise NotImplementedError("this shape is not supported")
+
+  jax_nn_xla = impls.get("jax_xla", "cpu").attend
+  impl_list = [impls.Impl("jax_cudnn", refuses), impls.Impl("tokamax_triton", xla_traced),
+               impls.get("jax_xla", "cpu")]
+  fields = ("implementation", "pass", "seq_q", "causal", "heads_q", "error_kind")
+  runs = {}
+  for ahead in (0, 2):
+    rows = []
+    cfg = sweep.SweepConfig(passes=("fwd",), timing=timing.TimingConfig(warmup=1, repeats=1),
+                            compile_workers=2, compile_ahead=ahead)
+    sweep.run_sweep(shapes.tiny_sweep(), impl_list, cfg, rows.append)
+    runs[ahead] = [tuple(r[f] for f in fields) for r in rows]
+    for row in rows:
+      check_schema(row)
+      if row["implementation"] == "jax_cudnn":
+        assert row["error"].startswith("NotImplementedError: this shape"), row
+      else:
+        assert row["error"] is None and row["max_rel_err"] < MAX_REL_ERR, row
+  assert runs[0] == runs[2] and len(runs[0]) == 3 * len(shapes.tiny_sweep())
+  assert any(name.startswith("compile-ahead") for name in traced_in), traced_in
+
+
+def test_masked_fractions_are_exact():
+  """Visible pairs and skipped tiles against closed forms: causal, a causal window, documents."""
+  n, blk = 1024, 128
+  nb = n // blk
+  causal = shapes.Shape(1, n, n, 1, 1, 64, True, "x")
+  assert masking.visible_fraction(causal) == (n * (n + 1) / 2) / n ** 2
+  assert masking.skipped_block_fraction(causal, blk, blk, True) == 1 - (nb + 1) / 2 / nb
+  w = 256  # query i sees keys i - 256 ... i
+  window = shapes.Shape(1, n, n, 1, 1, 64, True, "x", window=w)
+  assert masking.visible_fraction(window) == ((w + 1) * n - w * (w + 1) / 2) / n ** 2
+  # Query block b (queries 128b ... 128b + 127) reaches back to key 128b - 256: blocks b - 2 ... b.
+  computed = sum(min(b, w // blk) + 1 for b in range(nb))
+  assert masking.skipped_block_fraction(window, blk, blk, False) == 1 - computed / nb ** 2
+  doc = 256
+  docs = shapes.Shape(1, n, n, 1, 1, 64, True, "x", segment_len=doc)
+  assert masking.visible_fraction(docs) == (n // doc) * (doc * (doc + 1) / 2) / n ** 2
+  per_doc = doc // blk
+  in_docs = (n // doc) * per_doc * (per_doc + 1) / 2
+  assert masking.skipped_block_fraction(docs, blk, blk, True) == 1 - in_docs / nb ** 2
+  assert masking.skipped_block_fraction(docs, blk, blk, False) == \
+      masking.skipped_block_fraction(causal, blk, blk, False)  # the Mosaic kernels: causal only
+  fields = masking.masking_fields("jax_cudnn", docs)
+  assert fields["dense_mask"] and fields["skipped_block_fraction"] is None
+  assert not masking.masking_fields("pallas_attn:mosaic_gpu", docs)["dense_mask"]
+  with pytest.raises(ValueError, match="segment_len"):
+    shapes.Shape(1, 8, 16, 1, 1, 64, False, "x", segment_len=4)
+
+
+def test_masked_paths_match_the_reference():
+  """The masked family's CPU variant: pallas_attn with local_window_size / segment_ids (the
+  interpreter at the smallest size), jax.nn's xla with a window / a dense document mask, each
+  against the float32 reference (a dense mask); and the report's masked table."""
+  impl_list = [impls.get(n, "cpu") for n in impls.DEFAULT_NAMES["cpu"]]
+  rows = []
+  cfg = sweep.SweepConfig(timing=timing.TimingConfig(warmup=1, repeats=1, max_calls=1))
+  sweep.run_sweep(shapes.masked_tiny(), impl_list, cfg, rows.append)
+  ran = set()
+  for row in rows:
+    check_schema(row)
+    assert row["window"] is not None or row["segment_len"] is not None
+    assert 0 < row["visible_fraction"] < 1
+    if row["error"] is None:
+      assert row["max_rel_err"] is not None and row["max_rel_err"] < MAX_REL_ERR, row
+      ran.add((row["implementation"], row["segment_len"] is not None))
+    else:
+      assert row["implementation"] == "pallas_attn:mosaic_gpu" and row["interpret"], row
+    assert row["dense_mask"] == (row["implementation"] == "jax_xla"
+                                 and row["segment_len"] is not None)
+  for name in PORTABLE:
+    assert {(name, False), (name, True)} <= ran
+  assert any(r["implementation"] == "pallas_attn:mosaic_gpu" for r in rows)
+  text = report.summary(rows)
+  assert "masked paths" in text and "win128" in text and "doc128" in text
+
+
 def test_max_seq_search_stops_the_dense_path_first():
   """Compile-only, against a small limit: the dense path's N x N scores exceed it first."""
   cfg = sweep.SweepConfig(passes=("fwd",))
@@ -168,6 +259,7 @@ def test_committed_results_follow_the_schema(name):
   for row in rows:
     if row["kind"] in ("attention", "max_seq"):
       check_schema(dict(row, ms=1.0, tflops=1.0) if row["kind"] == "max_seq" else row)
+  assert "TFLOP/s" in report.summary(rows) or "GFLOP/s" in report.summary(rows)  # old rows too
 
 
 def test_notebook_matches_its_generator():
