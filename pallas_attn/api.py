@@ -27,9 +27,7 @@ _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
 def _shape_of(name: str, x) -> tuple[int, ...]:
-  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
-    raise TypeError(f"{name} must be an array, got {type(x).__name__}")
-  return tuple(x.shape)
+  return tuple(score_args.checked_array(name, x).shape)
 
 
 def _check_broadcast_4d(name: str, x, full_shape: tuple[int, int, int, int]):

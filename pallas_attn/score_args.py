@@ -17,14 +17,16 @@ from pallas_attn import dropout
 from pallas_attn import score_mods
 
 
-def _array(name: str, x) -> jax.Array:
+def checked_array(name: str, x) -> jax.Array:
+  """`x`, or a TypeError naming the argument when it is not an array (every array argument of
+  `attention` goes through here)."""
   if not hasattr(x, "shape") or not hasattr(x, "dtype"):
     raise TypeError(f"{name} must be an array, got {type(x).__name__}")
   return x
 
 
 def _segment_ids(name: str, ids, batch: int, length: int, unbatched: bool):
-  ids = _array(name, ids)
+  ids = checked_array(name, ids)
   if unbatched and ids.ndim == 1:  # rank-3 inputs: jax.nn-style missing batch axis
     ids = ids[None]
   if tuple(ids.shape) != (batch, length):
@@ -57,7 +59,7 @@ def segment_id_pair(segment_ids, batch: int, q_len: int, kv_len: int, unbatched:
 def _alibi_slopes(slopes, batch: int, heads_q: int):
   if slopes is None:
     return None
-  slopes = _array("alibi_slopes", slopes)
+  slopes = checked_array("alibi_slopes", slopes)
   if not jnp.issubdtype(slopes.dtype, jnp.floating):
     raise TypeError(f"alibi_slopes must be floating point (float32); got {slopes.dtype}")
   shape = tuple(slopes.shape)
@@ -92,7 +94,7 @@ def _dropout_seed(rate, rng, broadcast):
     return None  # rate 0 is no dropout, whatever the key
   if rng is None:
     raise ValueError(f"dropout_rate={rate} needs dropout_rng (a jax.random.key)")
-  rng = _array("dropout_rng", rng)
+  rng = checked_array("dropout_rng", rng)
   typed = jnp.issubdtype(rng.dtype, jax.dtypes.prng_key)
   raw = not typed and rng.dtype == jnp.uint32 and tuple(rng.shape) == (2,)
   if not ((typed and rng.shape == ()) or raw):
