@@ -12,6 +12,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import mask as mask_lib
+from pallas_attn.mosaic_gpu import config as config_lib
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -23,6 +24,36 @@ TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
 WGMMA = plgpu.Layout.WGMMA
 WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [rows, cols] WGMMA tile
 WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
+
+
+# Mosaic GPU starts every scratch buffer at a multiple of 1 KiB; a barrier is 8 bytes.
+SMEM_ALIGNMENT = 1024
+BARRIER_BYTES = 8
+
+
+def _align(nbytes: int) -> int:
+  return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+
+def smem_bytes(scratch_types) -> int:
+  """Shared memory a kernel's `scratch_types` take (nested tuples allowed): each buffer rounded up
+  to the alignment, the barriers together rounded up once."""
+  buffers = barriers = 0
+  for item in jax.tree.leaves(scratch_types, is_leaf=lambda x: not isinstance(x, (tuple, list))):
+    if isinstance(item, plgpu.Barrier):
+      count = item.num_barriers  # an int, or the barrier array's shape
+      barriers += math.prod(count if isinstance(count, tuple) else (count,)) * BARRIER_BYTES
+    else:
+      buffers += _align(math.prod(item.shape) * jnp.dtype(item.dtype).itemsize)
+  return buffers + _align(barriers)
+
+
+def check_smem(scratch_types, what: str):
+  """Raises ValueError when `scratch_types` exceed the shared memory of one CTA (227 KiB)."""
+  need = smem_bytes(scratch_types)
+  if need > config_lib.SMEM_BYTES:
+    raise ValueError(f"{what} needs {need / 1024:.1f} KiB of shared memory, more than the "
+                     f"{config_lib.SMEM_BYTES // 1024} KiB of a Hopper CTA")
 
 
 def interpret_params(interpret: bool):
@@ -90,6 +121,12 @@ def tile_mask(spec: mask_lib.MaskSpec, positions, kv_length):
   """
   q_pos, kv_pos = positions
   return mask_lib.visible(spec, q_pos, kv_pos, None, kv_length)
+
+
+def tile_index(axis: str, num_tiles: int, reverse: bool):
+  """The tile this CTA owns along grid axis `axis`; `reverse` visits them last first."""
+  index = lax.axis_index(axis)
+  return num_tiles - 1 - index if reverse else index
 
 
 def broadcast_rows(x, shape):

@@ -35,7 +35,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_r
             qo_smem, k_smem, v_smem, lse_smem, p_staging, q_full, k_full, v_full, k_free, v_free,
             schedule, *,
             spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-            num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods):
+            num_q_tiles: int, num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -47,7 +47,8 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_r
   kv_length = kv_len_ref[batch]
 
   # The key blocks this CTA needs: the union of its two warpgroups' ranges.
-  cta_start = lax.axis_index("q_tiles") * (config_lib.COMPUTE_WARPGROUPS * block_q)
+  q_tile = common.tile_index("q_tiles", num_q_tiles, cfg.reverse_q_tiles)
+  cta_start = q_tile * (config_lib.COMPUTE_WARPGROUPS * block_q)
   cta_lo, cta_hi = mask_lib.kv_block_range(
       spec, cta_start, config_lib.COMPUTE_WARPGROUPS * block_q, block_kv, num_kv_blocks,
       kv_length)
@@ -163,32 +164,40 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   num_q_tiles = q_len // (config_lib.COMPUTE_WARPGROUPS * cfg.block_q)
-  kernel = functools.partial(_kernel, spec=spec, scale=scale, cfg=cfg,
+  kernel = functools.partial(_kernel, spec=spec, scale=scale, cfg=cfg, num_q_tiles=num_q_tiles,
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
                              mods=mods)
-  wgs = config_lib.COMPUTE_WARPGROUPS
-  tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=common.TILE_TRANSFORMS)
+  common.check_smem(scratch_types(cfg, head_dim, q.dtype, interpret=False),
+                    f"the forward kernel with {cfg}")
+  grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((batch, heads_q, q_len), jnp.float32)),
-      scratch_types=[
-          tile(wgs, cfg.block_q, head_dim),  # q in, then o out, per compute warpgroup
-          tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
-          tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
-          plgpu.SMEM((wgs, cfg.block_q), jnp.float32),  # lse out
-          common.staging_scratch(interpret, (wgs, cfg.block_q, cfg.block_kv), q.dtype),
-          plgpu.Barrier(num_barriers=wgs),  # q loaded
-          plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled
-          plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled
-          plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # k slot free
-          plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # v slot free
-          plgpu.Barrier(num_arrivals=wgs),  # ping-pong meetings
-      ],
-      grid=(heads_q, num_q_tiles, batch),
-      grid_names=("heads", "q_tiles", "batch"),
-      num_threads=wgs + 1,
+      scratch_types=scratch_types(cfg, head_dim, q.dtype, interpret),
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=config_lib.COMPUTE_WARPGROUPS + 1,
       thread_name="wg",
       compiler_params=common.compiler_params(),
       interpret=common.interpret_params(interpret),
   )(q, k, v, q_lengths, kv_lengths, mod_arrays)
+
+
+def scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
+  """The forward kernel's shared memory and barriers (the order `_kernel` takes them in)."""
+  wgs = config_lib.COMPUTE_WARPGROUPS
+  tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
+  return [
+      tile(wgs, cfg.block_q, head_dim),  # q in, then o out, per compute warpgroup
+      tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
+      tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
+      plgpu.SMEM((wgs, cfg.block_q), jnp.float32),  # lse out
+      common.staging_scratch(interpret, (wgs, cfg.block_q, cfg.block_kv), dtype),
+      plgpu.Barrier(num_barriers=wgs),  # q loaded
+      plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled
+      plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # k slot free
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # v slot free
+      plgpu.Barrier(num_arrivals=wgs),  # ping-pong meetings
+  ]
