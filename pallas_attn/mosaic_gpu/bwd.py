@@ -137,8 +137,9 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
   kernel = functools.partial(_dq_kernel, spec=spec, scale=scale, cfg=cfg, num_q_tiles=num_q_tiles,
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
                              mods=mods)
-  common.check_smem(dq_scratch_types(cfg, head_dim, q.dtype, interpret=False),
-                    f"the dQ kernel with {cfg}")
+  params = common.compiler_params_within_smem(
+      dq_scratch_types(cfg, head_dim, q.dtype, interpret=False), f"the dQ kernel with {cfg}",
+      reduces=False)
   grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
   return plgpu.kernel(
       kernel,
@@ -148,7 +149,7 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
       grid_names=grid_names,
       num_threads=_WGS + 1,
       thread_name="wg",
-      compiler_params=common.compiler_params(),
+      compiler_params=params,
       interpret=common.interpret_params(interpret),
   )(q, k, v, d_out, lse, delta, kv_lengths, mod_arrays)
 
@@ -328,8 +329,9 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, *, 
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
                              num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv,
                              outputs=outputs, mods=mods)
-  common.check_smem(dkv_scratch_types(cfg, head_dim, q.dtype, interpret=False),
-                    f"the dK/dV kernel with {cfg}")
+  params = common.compiler_params_within_smem(
+      dkv_scratch_types(cfg, head_dim, q.dtype, interpret=False), f"the dK/dV kernel with {cfg}",
+      reduces=False)
   grid, grid_names = cfg.grid(heads=heads_kv, tiles=kv_len // (_WGS * cfg.block_kv), batch=batch,
                               tile_axis="kv_tiles")
   return plgpu.kernel(
@@ -340,7 +342,7 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, *, 
       grid_names=grid_names,
       num_threads=_WGS + 1,
       thread_name="wg",
-      compiler_params=common.compiler_params(),
+      compiler_params=params,
       interpret=common.interpret_params(interpret),
   )(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays)
 

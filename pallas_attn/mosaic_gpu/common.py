@@ -26,34 +26,45 @@ WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [rows, cols] 
 WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
-# Mosaic GPU starts every scratch buffer at a multiple of 1 KiB; a barrier is 8 bytes.
+# Mosaic GPU starts every scratch buffer at a multiple of 1 KiB; barriers (8 bytes each) follow.
 SMEM_ALIGNMENT = 1024
 BARRIER_BYTES = 8
+# Pallas reserves this much shared memory in a kernel that reduces (`CompilerParams.
+# reduction_scratch_bytes`), for reductions across warps. Ours reduce a WGMMA tile over its
+# columns, which one warp holds, and never use it: a kernel that fits only without it drops it.
+REDUCTION_SCRATCH_BYTES = plgpu.CompilerParams().reduction_scratch_bytes
 
 
 def _align(nbytes: int) -> int:
   return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
 
 
-def smem_bytes(scratch_types) -> int:
-  """Shared memory a kernel's `scratch_types` take (nested tuples allowed): each buffer rounded up
-  to the alignment, the barriers together rounded up once."""
+def smem_bytes(scratch_types, reduction_scratch: bool = False) -> int:
+  """Shared memory a kernel with `scratch_types` (nested tuples allowed) takes, as Mosaic GPU
+  counts it: the buffers, each from a 1 KiB boundary; the reduction scratch when reserved; then
+  the barriers."""
   buffers = barriers = 0
   for item in jax.tree.leaves(scratch_types, is_leaf=lambda x: not isinstance(x, (tuple, list))):
     if isinstance(item, plgpu.Barrier):
       count = item.num_barriers  # an int, or the barrier array's shape
       barriers += math.prod(count if isinstance(count, tuple) else (count,)) * BARRIER_BYTES
     else:
-      buffers += _align(math.prod(item.shape) * jnp.dtype(item.dtype).itemsize)
-  return buffers + _align(barriers)
+      buffers = _align(buffers) + math.prod(item.shape) * jnp.dtype(item.dtype).itemsize
+  reserved = REDUCTION_SCRATCH_BYTES if reduction_scratch else 0
+  return _align(buffers + reserved) + barriers
 
 
-def check_smem(scratch_types, what: str):
-  """Raises ValueError when `scratch_types` exceed the shared memory of one CTA (227 KiB)."""
+def compiler_params_within_smem(scratch_types, what: str, reduces: bool):
+  """The kernel's compiler params, after checking that `scratch_types` fit the shared memory of
+  one CTA (227 KiB; ValueError if not). A kernel that `reduces` keeps Pallas's reduction scratch
+  when it fits beside the buffers, and goes without it otherwise (see REDUCTION_SCRATCH_BYTES)."""
+  if reduces and smem_bytes(scratch_types, reduction_scratch=True) <= config_lib.SMEM_BYTES:
+    return compiler_params()
   need = smem_bytes(scratch_types)
   if need > config_lib.SMEM_BYTES:
     raise ValueError(f"{what} needs {need / 1024:.1f} KiB of shared memory, more than the "
                      f"{config_lib.SMEM_BYTES // 1024} KiB of a Hopper CTA")
+  return compiler_params(reduction_scratch=not reduces)
 
 
 def interpret_params(interpret: bool):
@@ -61,8 +72,11 @@ def interpret_params(interpret: bool):
   return plgpu.InterpretGPUParams(detect_races=True) if interpret else None
 
 
-def compiler_params():
-  return plgpu.CompilerParams(approx_math=True)
+def compiler_params(reduction_scratch: bool = True):
+  """`reduction_scratch=False`: no shared memory reserved for cross-warp reductions."""
+  if reduction_scratch:
+    return plgpu.CompilerParams(approx_math=True)
+  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 
 
 def matmul(lhs, rhs, shape, while_running=None) -> jax.Array:

@@ -167,8 +167,10 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
   kernel = functools.partial(_kernel, spec=spec, scale=scale, cfg=cfg, num_q_tiles=num_q_tiles,
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
                              mods=mods)
-  common.check_smem(scratch_types(cfg, head_dim, q.dtype, interpret=False),
-                    f"the forward kernel with {cfg}")
+  # (The row max and row sum of the online softmax are its reductions.)
+  params = common.compiler_params_within_smem(
+      scratch_types(cfg, head_dim, q.dtype, interpret=False), f"the forward kernel with {cfg}",
+      reduces=True)
   grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
   return plgpu.kernel(
       kernel,
@@ -179,7 +181,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
       grid_names=grid_names,
       num_threads=config_lib.COMPUTE_WARPGROUPS + 1,
       thread_name="wg",
-      compiler_params=common.compiler_params(),
+      compiler_params=params,
       interpret=common.interpret_params(interpret),
   )(q, k, v, q_lengths, kv_lengths, mod_arrays)
 
