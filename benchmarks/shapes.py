@@ -152,6 +152,8 @@ PRESETS = {
     "masked_tiny": masked_tiny,
     "cpu": cpu_sweep,
     "tiny": tiny_sweep,
+    # benchmarks/tune.py's CPU smoke test: one causal shape, one head.
+    "tune_smoke": lambda: [Shape(1, 96, 96, 1, 1, 64, True, "cpu")],
     "none": lambda: [],
 }
 

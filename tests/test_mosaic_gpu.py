@@ -110,10 +110,9 @@ _VARIANTS = {
 _CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_203x203")
 _VARIANT_CASES = [
     ("kv192_reversed_tiles_first", _CAUSAL_203),
-    ("kv192_reversed_tiles_first", cases.get_case("gqa_causal_lengths_113x203")),
-    ("kv256_3stages_no_ping_pong_tiles_last", _CAUSAL_203),
+    ("kv192_reversed_tiles_first", cases.get_case("mqa_113x203")),  # dK/dV sums a group of 4
     ("kv256_3stages_no_ping_pong_tiles_last", cases.get_case("window_l32_r8_203x113")),
-    ("kv64_3stages", cases.get_case("lengths_kv0_113x203")),
+    ("kv64_3stages", cases.get_case("causal_113x203")),
 ]
 
 
