@@ -105,6 +105,8 @@ _VARIANTS = {
         "dkv": _K(128, 64, stages=1)},
     "kv64_3stages": {"fwd": _K(64, 64, stages=3), "dq": _K(64, 64, stages=3),
                      "dkv": _K(64, 64, stages=3)},
+    "overlap_qk_kv64_3stages": {"fwd": _K(64, 64, stages=3, overlap_qk=True)},
+    "overlap_qk_no_ping_pong": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False)},
 }
 # Two query tiles of 128 rows and several key blocks at every block_kv, odd lengths.
 _CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_203x203")
@@ -113,6 +115,9 @@ _VARIANT_CASES = [
     ("kv192_reversed_tiles_first", cases.get_case("mqa_113x203")),  # dK/dV sums a group of 4
     ("kv256_3stages_no_ping_pong_tiles_last", cases.get_case("window_l32_r8_203x113")),
     ("kv64_3stages", cases.get_case("causal_113x203")),
+    ("overlap_qk_kv64_3stages", _CAUSAL_203),
+    ("overlap_qk_kv64_3stages", cases.get_case("lengths_kv0_113x203")),  # rows with no key
+    ("overlap_qk_no_ping_pong", cases.get_case("window_l32_r8_203x113")),
 ]
 
 
@@ -160,6 +165,8 @@ _LOWERED_VARIANTS = [
            "dq": _K(64, 64, stages=3, reverse_q_tiles=True, grid_order=("heads", "batch", "tiles")),
            "dkv": _K(64, 64, stages=3, grid_order=("tiles", "heads", "batch"))}),
     (256, {"fwd": _K(64, 128, stages=1)}),
+    (128, {"fwd": _K(64, 128, stages=3, overlap_qk=True)}),
+    (256, {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)}),
 ]
 
 
@@ -190,6 +197,14 @@ def test_variant_over_shared_memory_says_so(head_dim, pass_, cfg):
     jax.eval_shape(lambda q: jax.grad(lambda q: ops.attention(
         q, q, q, None, None, scale=0.1, spec=pallas_attn.MaskSpec(),
         **{f"{pass_}_cfg": cfg})[0].astype(jnp.float32).sum())(q), q)
+
+
+def test_overlap_qk_needs_a_deeper_ring():
+  with pytest.raises(ValueError, match="overlap_qk needs stages >= 2, and >= 3 with ping_pong"):
+    _K(64, 128, stages=2, overlap_qk=True)
+  with pytest.raises(ValueError, match="overlap_qk needs"):
+    _K(64, 128, stages=1, overlap_qk=True, ping_pong=False)
+  assert _K(64, 128, stages=2, overlap_qk=True, ping_pong=False).overlap_qk
 
 
 def test_smem_budget_counts_as_mosaic_gpu_does(monkeypatch):
@@ -307,6 +322,8 @@ _GPU_VARIANTS = {
         "dq": _K(64, 128, stages=1, grid_order=("tiles", "heads", "batch")),
         "dkv": _K(128, 64, stages=1)},
     "kv64_3stages": _VARIANTS["kv64_3stages"],
+    "overlap_qk_3stages": {"fwd": _K(64, 128, stages=3, overlap_qk=True)},
+    "overlap_qk_kv64_no_ping_pong": {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)},
 }
 
 

@@ -113,6 +113,24 @@ def matmul_acc(acc, lhs, rhs, staging=None) -> jax.Array:
   return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
+def matmul_overlapped(lhs, rhs, shape, staging, while_running):
+  """(lhs @ rhs into a fresh float32 accumulator, while_running()): lhs a register array,
+  `while_running` computed on the CUDA cores while the wgmma runs. In the interpreter lhs is
+  staged through the shared-memory ref `staging`, as in `matmul_acc`."""
+  if staging is not None:
+    staging[...] = lhs
+    plgpu.commit_smem()
+    lhs = staging
+
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, lhs, rhs)
+    result = while_running()
+    plgpu.wgmma_wait(0)
+    return acc_ref[...], result
+
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
 def staging_scratch(interpret: bool, shape, dtype):
   """The shared-memory staging buffer `matmul_acc` needs in the interpreter (none compiled)."""
   return (plgpu.SMEM(shape, dtype, transforms=TILE_TRANSFORMS),) if interpret else ()

@@ -49,6 +49,12 @@ class KernelConfig:
   ping_pong: bool = True
   # dK/dV only: compute dV and dK in two launches (when both accumulators don't fit registers).
   split_dkv: bool = False
+  # Forward only: FlashAttention-3's intra-warpgroup overlap: tile j's softmax runs while the
+  # tensor cores multiply tile j - 1's probabilities by its V (two tiles' values live: more
+  # registers). V slot j - 1 is freed only after tile j's K slot was waited for, so the ring
+  # needs a slot more than without: 2 stages, 3 with ping-pong (whose meetings would otherwise
+  # hold one warpgroup at a meeting the other reaches only after that K slot is refilled).
+  overlap_qk: bool = False
   # Forward and dQ: visit the query tiles last first. Under a causal mask the last tile sees the
   # most keys, so the heaviest CTAs start in the first wave and the tail wave is made of light
   # ones (FA3's causal scheduling). Harmless without a mask (every tile weighs the same).
@@ -66,6 +72,10 @@ class KernelConfig:
       raise ValueError(f"block_kv ({self.block_kv}) must be at most 256 (the wgmma width)")
     if self.stages < 1:
       raise ValueError(f"stages must be >= 1, got {self.stages}")
+    if self.overlap_qk and self.stages < (3 if self.ping_pong else 2):
+      raise ValueError(f"overlap_qk needs stages >= 2, and >= 3 with ping_pong (the V slot of "
+                       f"tile j - 1 is freed after tile j's K slot is waited for), got "
+                       f"stages={self.stages}, ping_pong={self.ping_pong}")
     if sorted(self.grid_order) != sorted(GRID_AXES):
       raise ValueError(f"grid_order must be a permutation of {GRID_AXES}, got "
                        f"{self.grid_order}")

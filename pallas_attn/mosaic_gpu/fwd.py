@@ -92,34 +92,80 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_r
       meet()
       return carry
 
-    def step(j, carry, *, masked: bool):
-      acc, m_i, l_i = carry
-      slot = slot_of(j)
+    def qk(j, slot, masked: bool):
+      """Tile j's logits S = q k^T with its modifiers and masks; frees the K slot."""
       cols = scores.columns(j, block_kv)
       plgpu.barrier_wait(k_full.at[slot])
-
       # The first meeting lets the other warpgroup's softmax start once this QK^T is issued.
       s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv),  # [block_q, block_kv]
                         while_running=meet)
       plgpu.barrier_arrive(k_free.at[slot])
       s, _ = scores(s, cols, masked=masked)
-      # Online softmax in base 2: rescale the old state by 2^(m_old - m_new).
+      return s, cols
+
+    def online_softmax(s, m_i, l_i):
+      """Online softmax in base 2: (p, m_new, l_new, alpha), the old state to be rescaled by
+      alpha = 2^(m_old - m_new)."""
       m_new = jnp.maximum(m_i, s.max(axis=1))
       alpha = jnp.exp2(m_i - m_new)
       p = jnp.exp2(s - common.broadcast_rows(m_new, s.shape))
       l_i = l_i * alpha + p.sum(axis=1)  # the undropped row sum: lse ignores dropout
-      acc = acc * common.broadcast_rows(alpha, acc.shape)
-      p = scores.dropped(p, scores.dropout_keep(p, cols))  # kept weights / (1 - rate)
-      if cfg.ping_pong:  # second meeting: softmax done; wait until the tensor cores are ours
+      return p, m_new, l_i, alpha
+
+    def tensor_core_turn(slot):
+      """Before P V: the V slot is filled and (ping-pong) the second meeting says the tensor
+      cores are ours."""
+      if cfg.ping_pong:
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_full.at[slot])
         plgpu.barrier_wait(schedule)
       else:
         plgpu.barrier_wait(v_full.at[slot])
-      acc = common.matmul_acc(acc, p.astype(dtype), v_smem.at[slot],
-                              p_staging[0].at[wg] if p_staging else None)
+
+    staging = p_staging[0].at[wg] if p_staging else None
+
+    def step(j, carry, *, masked: bool):
+      acc, m_i, l_i = carry
+      slot = slot_of(j)
+      s, cols = qk(j, slot, masked)
+      p, m_new, l_i, alpha = online_softmax(s, m_i, l_i)
+      acc = acc * common.broadcast_rows(alpha, acc.shape)
+      p = scores.dropped(p, scores.dropout_keep(p, cols))  # kept weights / (1 - rate)
+      tensor_core_turn(slot)  # the second meeting: softmax done
+      acc = common.matmul_acc(acc, p.astype(dtype), v_smem.at[slot], staging)
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l_i
+
+    # cfg.overlap_qk (FlashAttention-3's intra-warpgroup overlap): tile j's softmax runs while
+    # the tensor cores multiply tile j - 1's probabilities by its V. The carry holds those
+    # probabilities (p, not yet applied); the first tile has no predecessor, and the last tile's
+    # P V follows the loop. V slot j - 1 is freed in step j, so the ring needs 2 slots.
+    def first_step(carry):
+      acc, m_i, l_i, _ = carry
+      s, cols = qk(lo, slot_of(lo), masked=True)  # (masking a tile that needs none is exact)
+      p, m_new, l_i, _ = online_softmax(s, m_i, l_i)  # acc is zero: nothing to rescale
+      meet()  # this block's second meeting
+      return acc, m_new, l_i, scores.dropped(p, scores.dropout_keep(p, cols)).astype(dtype)
+
+    def overlapped_step(j, carry, *, masked: bool):
+      acc, m_i, l_i, p_prev = carry
+      slot, prev = slot_of(j), slot_of(j - 1)
+      s, cols = qk(j, slot, masked)
+      tensor_core_turn(prev)
+      pv, (p, m_new, l_i, alpha) = common.matmul_overlapped(
+          p_prev, v_smem.at[prev], acc.shape, staging,
+          while_running=lambda: online_softmax(s, m_i, l_i))
+      plgpu.barrier_arrive(v_free.at[prev])
+      acc = (acc + pv) * common.broadcast_rows(alpha, acc.shape)
+      return acc, m_new, l_i, scores.dropped(p, scores.dropout_keep(p, cols)).astype(dtype)
+
+    def last_pv(carry):
+      acc, m_i, l_i, p = carry
+      last = slot_of(hi - 1)
+      plgpu.barrier_wait(v_full.at[last])
+      acc = common.matmul_acc(acc, p, v_smem.at[last], staging)
+      plgpu.barrier_arrive(v_free.at[last])
+      return acc, m_i, l_i, p
 
     plgpu.barrier_wait(q_full.at[wg])
     carry = (
@@ -129,9 +175,23 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_r
     )
     pl.when(wg == 1)(meet)  # offsets the two warpgroups by one meeting
     lax.fori_loop(cta_lo, lo, release, None)
-    carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-    carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-    carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+    if cfg.overlap_qk:
+      carry += (plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), common.WGMMA),)
+      keep = lambda c: c
+      carry = lax.cond(lo < hi, first_step, keep, carry)
+      start = lo + 1  # (past hi when there is no tile: the loops below run zero times)
+      masked_end = jnp.maximum(full_lo, start)
+      full_end = jnp.maximum(full_hi, masked_end)
+      carry = lax.fori_loop(start, masked_end, functools.partial(overlapped_step, masked=True),
+                            carry)
+      carry = lax.fori_loop(masked_end, full_end,
+                            functools.partial(overlapped_step, masked=False), carry)
+      carry = lax.fori_loop(full_end, hi, functools.partial(overlapped_step, masked=True), carry)
+      carry = lax.cond(lo < hi, last_pv, keep, carry)[:3]
+    else:
+      carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+      carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+      carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
     lax.fori_loop(hi, cta_hi, release, None)
     pl.when(wg == 0)(meet)
     acc, m_i, l_i = carry
