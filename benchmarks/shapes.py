@@ -156,6 +156,8 @@ PRESETS = {
     # cuDNN are the largest: forward at d64, forward+backward at d256).
     "tune_mix": lambda: (fa_sweep(seqs=(4096,), head_dims=(128,))
                          + fa_sweep(seqs=(4096,), head_dims=(64, 256), causal=(False,))),
+    # One d128 causal shape (benchmarks/tune.py --ptxas: registers hardly depend on the shape).
+    "tune_d128": lambda: fa_sweep(seqs=(4096,), head_dims=(128,), causal=(True,)),
     # benchmarks/tune.py's CPU smoke test: one causal shape, one head.
     "tune_smoke": lambda: [Shape(1, 96, 96, 1, 1, 64, True, "cpu")],
     "none": lambda: [],

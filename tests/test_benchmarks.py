@@ -321,7 +321,9 @@ def test_tune_smoke_in_the_interpreter(tmp_path):
                     "--compile-workers", "1"])
   assert [json.loads(line) for line in out.read_text().splitlines()] == rows
   by_variant = {r["variant"]: r for r in rows}
-  assert set(by_variant) == {"default", "fwd_kv64"}
+  assert set(by_variant) == {"default", "fwd_kv64", tune.DEFAULT_AGAIN}
+  again = by_variant[tune.DEFAULT_AGAIN]
+  assert again["error"] is None and again["max_rel_err_vs_default"] == 0.0
   variant = by_variant["fwd_kv64"]
   assert variant["error"] is None and variant["ms"] > 0 and variant["ratio_to_default"] > 0
   assert 0 <= variant["max_rel_err_vs_default"] < MAX_REL_ERR
@@ -354,6 +356,7 @@ def test_tune_refuses_wrong_variants_and_does_not_time_them(monkeypatch):
     assert wrong["error_kind"] == "wrong" and wrong["ms"] is None, wrong
     assert wrong["max_rel_err_vs_default"] > 0.05
     assert got[("fwd_kv128", pass_)]["error_kind"] == "same"  # the default's configs at d64
+    assert got[(tune.DEFAULT_AGAIN, pass_)]["ratio_to_default"] > 0
   assert got[("dq_kv128", "fwd")]["error_kind"] == "same"  # dQ does not run in the forward
   nan_row = got[("dq_kv128", "fwd_bwd")]
   assert nan_row["error_kind"] == "wrong" and "non-finite" in nan_row["error"]
