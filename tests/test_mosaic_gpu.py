@@ -152,8 +152,10 @@ def test_kernel_table_reaches_the_kernels():
                                                        id=f"{v}-{c.name}")
                                           for v, c in _VARIANT_CASES])
 def test_interpreted_variants_match_reference(variant, case, seed):
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
   with kernel_table(case.head_dim, _VARIANTS[variant]):
     cases.check_case(case, "mosaic_gpu", interpret=True, seed=seed)
+  assert interpret_pallas_call.get_races().races_found is False
 
 
 # head_dim -> configs: every option, and the largest tiles that fit, at least once.
