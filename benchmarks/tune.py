@@ -325,8 +325,14 @@ def _measure(row, name, pass_, compiled, inputs, default_out, default_tflops,
       _poison_allocator(poison_bytes)
       first = jax.block_until_ready(executable(*args))  # the kernels may build on first call
     if name == _DEFAULT:
+      if sweep.max_rel_err(first, first) is None:  # NaN where the poison was left unwritten
+        row["error_kind"], row["error"] = "wrong", "wrong: non-finite values (not timed)"
+        return row
       default_out[pass_] = first
-    elif pass_ in default_out:
+    elif pass_ not in default_out:
+      row["error_kind"], row["error"] = "error", "not checked (the default failed): not timed"
+      return row
+    else:
       rel = sweep.max_rel_err(first, default_out[pass_])
       row["max_rel_err_vs_default"] = rel
       if rel is None or rel > cfg.max_rel_err:
@@ -387,7 +393,9 @@ def ptxas_table(rows: list[dict]) -> str:
       lines.append([r["variant"], f"d{r['head_dim']}", r["pass"], k["entry"][:40],
                     str(k["registers"]), str(k["spill_stores"]), str(k["spill_loads"])])
   header = ["variant", "d", "pass", "kernel", "registers", "spill stores", "spill loads"]
-  return report._table(header, lines) if lines else "(no ptxas output captured)"  # pylint: disable=protected-access
+  if not lines:
+    return "(no ptxas output captured)"
+  return report._table(header, lines)  # pylint: disable=protected-access
 
 
 # ---- command line ---------------------------------------------------------------------------
@@ -458,7 +466,7 @@ def main(argv=None) -> list[dict]:
                    ptxas=args.ptxas, seed=args.seed)
   shapes = shapes_lib.preset(args.shapes or ("tune_smoke" if on_cpu else "d128_anchors"))
   rows: list[dict] = []
-  out = None if args.out is None else open(pathlib.Path(args.out), "w")  # pylint: disable=consider-using-with
+  out = None if args.out is None else pathlib.Path(args.out).open("w")  # closed below
 
   def emit(row):
     rows.append(row)

@@ -399,3 +399,15 @@ ptxas info    : Used 90 registers"""
   assert tune.parse_ptxas(text) == [
       {"entry": "mosaic_gpu_kernel", "registers": 168, "spill_stores": 24, "spill_loads": 16},
       {"entry": "other", "registers": 90, "spill_stores": None, "spill_loads": None}]
+
+
+def test_tune_times_nothing_unchecked_when_the_default_fails(monkeypatch):
+  _fake_kernels(monkeypatch, {"default": float("nan")})
+  cfg = tune.TuneConfig(variants=("default", "fwd_kv64"), passes=("fwd",),
+                        timing=timing.TimingConfig(warmup=1, repeats=1, max_calls=1))
+  rows = []
+  tune.run(shapes.preset("tune_smoke"), cfg, rows.append, interpret=True)
+  assert rows and all(r["ms"] is None for r in rows), rows
+  by_variant = {r["variant"]: r for r in rows}
+  assert by_variant["default"]["error_kind"] == "wrong"
+  assert "not checked" in by_variant["fwd_kv64"]["error"]

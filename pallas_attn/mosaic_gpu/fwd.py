@@ -14,9 +14,10 @@ ids (`mods`) change the logits of every tile when given; with dropout, the proba
 multiply V are masked by the regenerated keep-mask and scaled by 1 / (1 - rate).
 
 Options of `cfg` (config.KernelConfig) beyond the tile sizes: `ping_pong` (the two warpgroups
-take turns at the tensor cores, FlashAttention-3), `overlap_qk` (each warpgroup runs tile j's softmax while its tile j - 1 P V is on the tensor
-cores), `reverse_q_tiles` (the CTA at grid index i owns the i-th query tile from the end:
-causal CTAs with the most keys start first) and `grid_order` (launch order).
+take turns at the tensor cores, FlashAttention-3), `overlap_qk` (each warpgroup runs tile j's
+softmax while its tile j - 1 P V is on the tensor cores), `reverse_q_tiles` (the CTA at grid
+index i owns the i-th query tile from the end: causal CTAs with the most keys start first) and
+`grid_order` (launch order).
 """
 
 from __future__ import annotations
