@@ -19,6 +19,7 @@ from pallas_attn import sharding
 from pallas_attn.mosaic_gpu import bwd
 from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import fwd
+from pallas_attn.mosaic_gpu import gqa_pack
 from pallas_attn.mosaic_gpu import mods as mods_lib
 
 _WGS = config_lib.COMPUTE_WARPGROUPS
@@ -35,6 +36,8 @@ class _Static:
   dq_cfg: config_lib.KernelConfig
   dkv_cfg: config_lib.KernelConfig
   mods: mods_lib.KernelMods = mods_lib.KernelMods()
+  # Decode-shaped GQA: the group's query heads packed into the rows of one tile (`gqa_pack`).
+  pack_gqa: bool = False
 
   # Both sequences are padded to whole tiles of every kernel (padded rows and keys fail the
   # length test).
@@ -85,6 +88,11 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
                                              kv_segment_ids, alibi_slopes, dropout_rate,
                                              dropout_seed, broadcast_dropout)
   static = _static(q.shape[-1], scale, spec, interpret, fwd_cfg, mods)
+  position_free_mods = mods == mods_lib.KernelMods(soft_cap=mods.soft_cap)
+  if gqa_pack.should_pack(q.shape, k.shape[2], spec, k.shape[1], position_free_mods,
+                          _WGS * static.fwd_cfg.block_q):
+    static = dataclasses.replace(
+        static, spec=gqa_pack.positional_mask(spec, q.shape[1], k.shape[1]), pack_gqa=True)
   return _attention(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
 
 
@@ -107,6 +115,12 @@ def backward(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
 
 
 def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
+  if static.pack_gqa:
+    kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
+    out, lse = _forward_pass(dataclasses.replace(static, pack_gqa=False),
+                             gqa_pack.pack_rows(q, kv_heads), k, v,
+                             gqa_pack.pack_lengths(q_lengths, group), kv_lengths, *mod_arrays)
+    return gqa_pack.unpack_rows(out, group), gqa_pack.unpack_stats(lse, group)
   q_len = q.shape[1]
   padded = mask_lib.pad_to_tiles(q, k, v, q_lengths, kv_lengths, static.q_multiple,
                                  static.kv_multiple)
@@ -118,6 +132,14 @@ def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
 
 def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
                    *mod_arrays):
+  if static.pack_gqa:
+    kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
+    dq, dk, dv = _backward_pass(
+        dataclasses.replace(static, pack_gqa=False), gqa_pack.pack_rows(q, kv_heads), k, v,
+        gqa_pack.pack_rows(d_out, kv_heads), gqa_pack.pack_stats(lse, kv_heads),
+        gqa_pack.pack_stats(delta, kv_heads), gqa_pack.pack_lengths(q_lengths, group),
+        kv_lengths, *mod_arrays)
+    return gqa_pack.unpack_rows(dq, group), dk, dv
   q_len, kv_len = q.shape[1], k.shape[1]
   q, k, v, q_lengths, kv_lengths = mask_lib.pad_to_tiles(
       q, k, v, q_lengths, kv_lengths, static.q_multiple, static.kv_multiple)
