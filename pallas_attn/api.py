@@ -222,7 +222,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       alibi_per_batch=arrays.alibi_slopes is not None and arrays.alibi_slopes.shape[0] > 1,
       has_soft_cap=mods.logits_soft_cap is not None,
       has_dropout=mods.dropout_rate > 0.0, has_mask_fn=mask_fn is not None,
-      has_score_fn=score_fn is not None)
+      has_score_fn=score_fn is not None,
+      element_fns_problem=(None if implementation in ("blocked_jax", "reference")
+                           else dispatch.element_fns_problem(mask_fn, score_fn)))
   impl = dispatch.choose(call, implementation)
   out, lse = impl(query, key, value, arrays, scale=float(scale), spec=spec, mods=mods,
                   q_lengths=q_lengths, kv_lengths=kv_lengths, interpret=interpret)
