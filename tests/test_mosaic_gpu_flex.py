@@ -22,8 +22,13 @@ import pytest
 
 import cases
 import pallas_attn
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+import multidevice
 from pallas_attn import dispatch
 from pallas_attn import mask as mask_lib
+from pallas_attn import sharding
+from pallas_attn.mosaic_gpu import mods as mods_lib
 from pallas_attn.mosaic_gpu import ops
 from test_mosaic_gpu import _poison_allocator
 
@@ -67,6 +72,8 @@ class FlexCase:
   is_causal: bool = False
   soft_cap: float | None = None
   q_gain: float = 1.0  # multiplies q: larger logits, so that tanh saturates
+  alibi: bool = False  # the geometric slopes 2^(-8 (h + 1) / H), constants
+  alignment: str = "top_left"
 
   def at(self, q_len: int, kv_len: int) -> FlexCase:
     return dataclasses.replace(self, name=f"{self.name.rsplit('_', 1)[0]}_{q_len}x{kv_len}",
@@ -82,6 +89,11 @@ _CASES = [
     # score_fn before the soft-cap (API order): two tanh in a row, both saturating.
     FlexCase("batch_tanh_softcap_2x100x130", 2, 100, 130, 2, 1, mask_fn=first_batch_causal,
              score_fn=tanh_cap, soft_cap=2.5, q_gain=4.0),
+    # Everything in the kernels at once: ALiBi before score_fn before the soft-cap, the causal
+    # diagonal moved by the bottom-right offset while mask_fn and score_fn see plain positions.
+    FlexCase("all_bottom_right_gqa_77x150", 1, 77, 150, 4, 2, mask_fn=sliding_window,
+             score_fn=relative_position, is_causal=True, soft_cap=5.0, q_gain=2.0, alibi=True,
+             alignment="bottom_right"),
 ]
 
 
@@ -96,9 +108,14 @@ def _inputs(case: FlexCase, head_dim: int, seed: int):
 
 @functools.partial(jax.jit, static_argnames=("case", "implementation", "interpret"))
 def _outputs(q, k, v, do, *, case: FlexCase, implementation: str, interpret: bool):
+  slopes = None
+  if case.alibi:
+    slopes = 2.0 ** (-8.0 * (jnp.arange(case.heads_q) + 1) / case.heads_q)
+
   def f(q, k, v):
     return pallas_attn.attention(q, k, v, is_causal=case.is_causal, mask_fn=case.mask_fn,
                                  score_fn=case.score_fn, logits_soft_cap=case.soft_cap,
+                                 alibi_slopes=slopes, causal_alignment=case.alignment,
                                  implementation=implementation, interpret=interpret,
                                  return_residual=True)
 
@@ -136,11 +153,16 @@ def test_interpreted_flex_matches_reference(case, seed):
 @functools.partial(jax.jit, static_argnames=("case",))
 def _compiled_kernels_vjp(q, k, v, do, *, case: FlexCase):
   """The kernels for the GPU (`ops.attention`, no interpreter), differentiated."""
+  slopes = None
+  if case.alibi:
+    slopes = 2.0 ** (-8.0 * (jnp.arange(case.heads_q) + 1) / case.heads_q)
+  spec = mask_lib.MaskSpec(is_causal=case.is_causal, offset=mask_lib.alignment_offset(
+      case.alignment, q.shape[1], k.shape[1]))
+
   def f(q, k, v):
-    return ops.attention(q, k, v, None, None, scale=q.shape[-1] ** -0.5,
-                         spec=mask_lib.MaskSpec(is_causal=case.is_causal),
-                         logits_soft_cap=case.soft_cap, mask_fn=case.mask_fn,
-                         score_fn=case.score_fn)
+    return ops.attention(q, k, v, None, None, scale=q.shape[-1] ** -0.5, spec=spec,
+                         logits_soft_cap=case.soft_cap, alibi_slopes=slopes,
+                         mask_fn=case.mask_fn, score_fn=case.score_fn)
 
   (out, lse), vjp = jax.vjp(f, q, k, v)
   return out, lse, vjp((do, jnp.zeros_like(lse)))
@@ -154,6 +176,41 @@ def test_flex_kernels_lower_for_cuda(case):
   args = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in _inputs(case, 64, 0))
   lowered = _compiled_kernels_vjp.trace(*args, case=case).lower(lowering_platforms=("cuda",))
   assert lowered.as_text().count("mosaic_gpu") >= 3  # forward, dQ, dK/dV
+
+
+# ---------------------------------------------------------------------------------------------
+# Sharded: the kernels of a batch/head shard must pass the user's functions global indices. The
+# kernels cannot run on several devices in the interpreter; a stand-in pass that writes the index
+# operands it is given into its output checks that `sharding.batch_head_parallel` hands every
+# shard the indices of its own global batch elements and query heads.
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto],
+                         ids=lambda t: t.name.lower())
+def test_sharded_passes_get_global_indices(axis_type):
+  batch, q_len, heads_q, heads_kv, head_dim = 4, 8, 4, 2, 16
+  mesh = multidevice.cpu_mesh((2, 2), ("data", "model"), axis_type)
+  q = jnp.zeros((batch, q_len, heads_q, head_dim), jnp.float32)
+  k = jnp.zeros((batch, q_len, heads_kv, head_dim), jnp.float32)
+  _, arrays = mods_lib.from_arguments(q, k, None, None, None, None, mask_fn=documents)
+
+  def stand_in(q, k, v, q_lengths, kv_lengths, *mod_arrays):
+    mod_arrays = mods_lib.ModArrays(*mod_arrays)
+    index = 10 * mod_arrays.batch_index[:, None] + mod_arrays.head_index[None, :]  # [B, Hq]
+    index = index.astype(jnp.float32)
+    out = q + index[:, None, :, None]
+    return out, jnp.broadcast_to(index[:, :, None], (q.shape[0], q.shape[2], q.shape[1]))
+
+  def run(q, k, batch_index, head_index):
+    operands = (q, k, k, None, None,
+                *arrays._replace(batch_index=batch_index, head_index=head_index))
+    return sharding.batch_head_parallel(stand_in, sharding.FORWARD, *operands)
+
+  want = stand_in(q, k, k, None, None, *arrays)
+  qs, ks = (jax.device_put(x, NamedSharding(mesh, P("data", None, "model"))) for x in (q, k))
+  got = jax.jit(run)(qs, ks, arrays.batch_index, arrays.head_index)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -167,41 +167,43 @@ def _unlowerable_primitives(jaxpr) -> set[str]:
 _PROBE_TILE = (64, 64)
 
 
-def _probe(name: str, fn):
+def _probes(name: str, fn):
+  """(function, abstract arguments) pairs: what the kernels trace of `fn`."""
   index = jax.ShapeDtypeStruct(_PROBE_TILE, jnp.int32)
   scalar = jax.ShapeDtypeStruct((), jnp.int32)
   if name == "mask_fn":
-    return fn, (scalar, scalar, index, index)
+    return [(fn, (scalar, scalar, index, index))]
 
-  def value_and_slope(s, *indices):  # what the backward kernels trace
+  def value_and_slope(s, *indices):  # the backward kernels
     return jax.jvp(lambda x: fn(x, *indices), (s,), (jnp.ones_like(s),))
 
-  return value_and_slope, (jax.ShapeDtypeStruct(_PROBE_TILE, jnp.float32), scalar, scalar,
-                           index, index)
+  args = (jax.ShapeDtypeStruct(_PROBE_TILE, jnp.float32), scalar, scalar, index, index)
+  return [(fn, args), (value_and_slope, args)]  # the forward kernel, the backward kernels
 
 
 def element_fns_problem(mask_fn, score_fn) -> str | None:
   """Why mask_fn / score_fn cannot be traced into the Mosaic GPU kernels, or None when they can
   (or are None). Traced abstractly with the kernels' argument kinds: a function that closes over
   arrays (constants or traced values: the kernels take no such operand), fails to trace on
-  scalar batch/head indices, or uses a primitive the Mosaic GPU lowering lacks, is refused."""
+  scalar batch/head indices, or uses a primitive the Mosaic GPU lowering lacks (e.g.
+  custom_jvp_call, from jax.nn.relu), is refused."""
   for name, fn in (("mask_fn", mask_fn), ("score_fn", score_fn)):
     if fn is None:
       continue
-    traced, args = _probe(name, fn)
-    try:
-      closed = jax.make_jaxpr(traced)(*args)
-    except Exception as e:  # any failure: the function cannot run on a kernel's tile
-      return (f"{name} cannot be traced on a kernel tile (batch, head: int32 scalars; q_idx, "
-              f"kv_idx: int32 [rows, cols]): {type(e).__name__}: {e}")
-    if closed.consts:
-      shapes = ", ".join(f"{jnp.result_type(c)}{list(jnp.shape(c))}" for c in closed.consts)
-      return (f"{name} closes over arrays ({shapes}), which cannot be passed into the kernels; "
-              f"pass them as bias / mask, or compute them from the indices")
-    missing = _unlowerable_primitives(closed.jaxpr)
-    if missing:
-      return (f"{name} uses {', '.join(sorted(missing))}, which the Mosaic GPU lowering does "
-              f"not implement")
+    for traced, args in _probes(name, fn):
+      try:
+        closed = jax.make_jaxpr(traced)(*args)
+      except Exception as e:  # any failure: the function cannot run on a kernel's tile
+        return (f"{name} cannot be traced on a kernel tile (batch, head: int32 scalars; q_idx, "
+                f"kv_idx: int32 [rows, cols]): {type(e).__name__}: {e}")
+      if closed.consts:
+        shapes = ", ".join(f"{jnp.result_type(c)}{list(jnp.shape(c))}" for c in closed.consts)
+        return (f"{name} closes over arrays ({shapes}), which cannot be passed into the "
+                f"kernels; pass them as bias / mask, or compute them from the indices")
+      missing = _unlowerable_primitives(closed.jaxpr)
+      if missing:
+        return (f"{name} uses {', '.join(sorted(missing))}, which the Mosaic GPU lowering "
+                f"does not implement")
   return None
 
 
