@@ -54,6 +54,10 @@ def relative_position(s, b, h, q_idx, kv_idx):
   return s + 0.05 * (q_idx - kv_idx).astype(jnp.float32) * (h + 1).astype(jnp.float32)
 
 
+def halve_above_one(s, b, h, q_idx, kv_idx):  # jax.nn.relu: a custom_jvp, inlined in the kernels
+  return s - 0.5 * jax.nn.relu(s - 1.0)
+
+
 def tanh_cap(s, b, h, q_idx, kv_idx):  # a soft-cap whose strength depends on the batch
   cap = 2.0 + b.astype(jnp.float32)
   return cap * jnp.tanh(s / cap)
@@ -81,7 +85,8 @@ class FlexCase:
 
 
 _CASES = [
-    FlexCase("window_causal_77x150", 1, 77, 150, 2, 2, mask_fn=sliding_window, is_causal=True),
+    FlexCase("window_kink_causal_77x150", 1, 77, 150, 2, 2, mask_fn=sliding_window,
+             score_fn=halve_above_one, is_causal=True, q_gain=2.0),
     FlexCase("documents_relpos_gqa_77x150", 1, 77, 150, 4, 2, mask_fn=documents,
              score_fn=relative_position),
     FlexCase("heads_relpos_gqa_causal_77x150", 1, 77, 150, 4, 2, mask_fn=even_heads_see_all,

@@ -151,11 +151,44 @@ def _lowering_rules():
   return lowering.mosaic_lowering_rules[gpu_core.LANExWG_SEMANTICS]
 
 
+# Calls whose bodies the kernels trace inline (`_inlined`): the Mosaic GPU lowering has no rule
+# for custom_jvp_call (jax.nn.relu, softplus, ...), and a jit in the user's function may hold one.
+# The name of the parameter holding each body.
+_INLINED_CALLS = {"custom_jvp_call": "call_jaxpr", "jit": "jaxpr", "pjit": "jaxpr",
+                  "closed_call": "call_jaxpr"}
+
+
+def _eval_inlined(jaxpr, consts, args):
+  env = {}
+  read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
+  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    body = _INLINED_CALLS.get(eqn.primitive.name)
+    if body is not None:
+      closed = eqn.params[body]
+      outs = _eval_inlined(closed.jaxpr, closed.consts, invals)
+    else:
+      outs = eqn.primitive.bind(*invals, **eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _inlined(fn, *args):
+  """fn(*args), traced with the calls of `_INLINED_CALLS` replaced by their bodies. Derivatives
+  are taken before (`jax.jvp` of the user's function), so custom rules still apply."""
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  outs = _eval_inlined(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
 def _unlowerable_primitives(jaxpr) -> set[str]:
   rules = _lowering_rules()
   missing = set()
   for eqn in jaxpr.eqns:
-    if eqn.primitive not in rules:
+    if eqn.primitive not in rules and eqn.primitive.name not in _INLINED_CALLS:
       missing.add(eqn.primitive.name)
     for sub in jax_core.jaxprs_in_params(eqn.params):
       missing |= _unlowerable_primitives(sub)
@@ -185,8 +218,8 @@ def element_fns_problem(mask_fn, score_fn) -> str | None:
   """Why mask_fn / score_fn cannot be traced into the Mosaic GPU kernels, or None when they can
   (or are None). Traced abstractly with the kernels' argument kinds: a function that closes over
   arrays (constants or traced values: the kernels take no such operand), fails to trace on
-  scalar batch/head indices, or uses a primitive the Mosaic GPU lowering lacks (e.g.
-  custom_jvp_call, from jax.nn.relu), is refused."""
+  scalar batch/head indices, or uses a primitive the Mosaic GPU lowering lacks, is refused
+  (custom_jvp calls such as jax.nn.relu are fine: the kernels trace their bodies inline)."""
   for name, fn in (("mask_fn", mask_fn), ("score_fn", score_fn)):
     if fn is None:
       continue
@@ -301,7 +334,7 @@ def element_keep(fns: ElementFns, batch, head, positions):
   if fns.mask_fn is None:
     return None
   q_idx, kv_idx = user_indices(fns, positions)
-  keep = fns.mask_fn(batch, head, q_idx, kv_idx)
+  keep = _inlined(fns.mask_fn, batch, head, q_idx, kv_idx)
   return jnp.broadcast_to(jnp.asarray(keep).astype(jnp.bool_), q_idx.shape)
 
 
@@ -312,8 +345,8 @@ def element_scores(fns: ElementFns, s, batch, head, positions, *, with_slope: bo
   fn = lambda x: jnp.broadcast_to(fns.score_fn(x, batch, head, q_idx, kv_idx),
                                   s.shape).astype(jnp.float32)
   if not with_slope:
-    return fn(s), None
-  return jax.jvp(fn, (s,), (jnp.ones_like(s),))
+    return _inlined(fn, s), None
+  return _inlined(lambda x: jax.jvp(fn, (x,), (jnp.ones_like(x),)), s)
 
 
 class LogitGrad(NamedTuple):
