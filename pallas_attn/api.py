@@ -146,6 +146,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       through (step 4). On the blocked path (a custom_vjp) mask_fn and score_fn may close over
       constants and jit arguments, but differentiating with respect to a value they close over
       is an error (JAX's UnexpectedTracerError): pass a learned bias as `bias` instead.
+      The Mosaic GPU kernels trace both functions in, with b and h int32 scalars (global batch
+      index, query head) and q_idx, kv_idx int32 tiles; functions that close over arrays or use
+      primitives the kernels cannot lower are served by the blocked path (see README).
 
   Returns:
     out [batch, q_len, heads_q, head_dim] in the input dtype; with return_residual,

@@ -416,8 +416,9 @@ _KERNEL_FEATURE_FLAGS = ("has_segment_ids", "bottom_right", "has_alibi", "has_so
 def test_dispatch_of_each_feature(flag):
   """In the interpreter (so that dtype, head_dim and GPU are no obstacle), the Mosaic GPU kernels
   are chosen exactly for what they serve (bottom-right alignment, segment ids, per-head ALiBi
-  slopes, soft-cap, traceable mask_fn / score_fn); else blocked_jax, which, like the reference, serves every feature. Asking
-  mosaic_gpu for the others raises NotImplementedError naming the feature."""
+  slopes, soft-cap, traceable mask_fn / score_fn); else blocked_jax, which, like the reference,
+  serves every feature. Asking mosaic_gpu for the others raises NotImplementedError naming the
+  feature."""
   call = dataclasses.replace(_call(dtype=jnp.bfloat16, interpret=True), **{flag: True})
   impls = dispatch._IMPLEMENTATIONS
   feature = call.features()[-1]
