@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 from typing import Callable
 
 import jax
@@ -239,6 +240,27 @@ def test_closed_over_array_picks_blocked_jax_or_refuses():
   got = pallas_attn.attention(q, q, q, **call)  # auto: the portable path
   want = pallas_attn.attention(q, q, q, implementation="blocked_jax", **call)
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+
+
+@pytest.mark.parametrize("mask_fn,score_fn,problem", [
+    (lambda b, h, i, j: jax.lax.population_count(i) > 2, None,
+     r"mask_fn uses population_count, which the Mosaic GPU lowering does not implement"),
+    (None, lambda s, b, h, i, j: s + jax.lax.erf_inv(s / 100.0),
+     r"score_fn uses erf_inv, which the Mosaic GPU lowering does not implement"),
+    (lambda b, h, i, j: h[:, 0] > i, None,
+     r"mask_fn cannot be traced on a kernel tile.*IndexError"),
+    # Rank 4 on the API's index arrays (accepted there), rank 4 on a kernel's 2-D tile too.
+    (lambda b, h, i, j: jnp.reshape(i >= j, (1, 1, *(i >= j).shape[-2:])), None,
+     r"mask_fn returned shape \(1, 1, 64, 64\) on a \[64, 64\] tile"),
+], ids=["primitive_without_lowering", "score_fn_primitive", "indexes_scalar_head",
+        "rank_4_result"])
+def test_untraceable_functions_are_refused(mask_fn, score_fn, problem):
+  """Each reason the kernels cannot take a function is named; the explicit choice raises it."""
+  assert re.search(problem, dispatch.element_fns_problem(mask_fn, score_fn))
+  q = jnp.zeros((1, 70, 2, 64), jnp.bfloat16)
+  with pytest.raises(NotImplementedError, match=problem):
+    jax.eval_shape(functools.partial(pallas_attn.attention, mask_fn=mask_fn, score_fn=score_fn,
+                                     implementation="mosaic_gpu", interpret=True), q, q, q)
 
 
 def test_traceable_functions_pass_the_kernel_check():

@@ -214,6 +214,13 @@ def _probes(name: str, fn):
   return [(fn, args), (value_and_slope, args)]  # the forward kernel, the backward kernels
 
 
+def _broadcasts_to_tile(shape) -> bool:
+  try:
+    return jnp.broadcast_shapes(shape, _PROBE_TILE) == _PROBE_TILE
+  except ValueError:
+    return False
+
+
 def element_fns_problem(mask_fn, score_fn) -> str | None:
   """Why mask_fn / score_fn cannot be traced into the Mosaic GPU kernels, or None when they can
   (or are None). Traced abstractly with the kernels' argument kinds: a function that closes over
@@ -233,6 +240,10 @@ def element_fns_problem(mask_fn, score_fn) -> str | None:
         shapes = ", ".join(f"{jnp.result_type(c)}{list(jnp.shape(c))}" for c in closed.consts)
         return (f"{name} closes over arrays ({shapes}), which cannot be passed into the "
                 f"kernels; pass them as bias / mask, or compute them from the indices")
+      shape = tuple(closed.out_avals[0].shape)
+      if not _broadcasts_to_tile(shape):
+        return (f"{name} returned shape {shape} on a {list(_PROBE_TILE)} tile of indices; the "
+                f"kernels need a result that broadcasts to the tile (elementwise functions)")
       missing = _unlowerable_primitives(closed.jaxpr)
       if missing:
         return (f"{name} uses {', '.join(sorted(missing))}, which the Mosaic GPU lowering "
