@@ -11,7 +11,8 @@ With delta = rowsum(dO * O) precomputed, dS = P * (dP - delta) where dP = dO V^T
   compute warpgroup accumulates dV = P^T dO and dK = scale * dS^T Q for its key rows, summed over
   the group in registers (no per-query-head copy of dK/dV).
 Block skipping and end-of-range masking follow `mask`, and the score modifiers `mods`, exactly
-as in the forward kernel; with a soft-cap, dS is multiplied by the cap's derivative. With
+as in the forward kernel; with a soft-cap and a score_fn, dS is multiplied by their derivatives
+(`mods.logit_grad`; score_fn's by `jax.jvp` in the kernel). With
 dropout, dP is masked and scaled by the regenerated keep-mask, dS = P * (dP_dropped - delta), and
 dV takes the dropped, scaled P. Rows whose
 lse is +inf (no visible key, or past their query length) get P = 0 and no gradient.
@@ -88,7 +89,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
                                               kv_length)
     slot_of = lambda j: lax.rem(j - cta_lo, stages)
     scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch, head=head,
-                                        row_start=q_start, rows=block_q, kv_length=kv_length)
+                                        row_start=q_start, rows=block_q, kv_length=kv_length,
+                                        backward=True)
     for i in range(4):
       plgpu.barrier_wait(q_full.at[wg * 4 + i])
     lse2 = plgpu.load(lse_smem.at[wg], (), layout=common.WGMMA_ROW) * common.LOG2E
@@ -103,13 +105,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       cols = scores.columns(j, block_kv)
       plgpu.barrier_wait(k_full.at[slot])
       s = common.matmul(q_smem.at[wg], k_smem.at[slot].T, (block_q, block_kv))
-      s, tanh_s = scores(s, cols, masked=masked)
+      s, chain = scores(s, cols, masked=masked)
       p = jnp.exp2(s - common.broadcast_rows(lse2, s.shape))  # [block_q, block_kv]
       plgpu.barrier_wait(v_full.at[slot])
       dp = common.matmul(do_smem.at[wg], v_smem.at[slot].T, (block_q, block_kv))
       plgpu.barrier_arrive(v_free.at[slot])
       dp = scores.dropped(dp, scores.dropout_keep(dp, cols))  # dP of the dropped weights
-      ds = mods_lib.soft_cap_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), tanh_s)
+      ds = mods_lib.logit_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), chain)
       dq = common.matmul_acc(dq, ds.astype(dtype), k_smem.at[slot],
                              ds_staging[0].at[wg] if ds_staging else None)
       plgpu.barrier_arrive(k_free.at[slot])
@@ -225,7 +227,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     full_hi = jnp.where(straddles, hi, full_hi)
     key_scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch,
                                             row_start=kv_start, rows=block_kv,
-                                            kv_length=kv_length, transposed=True)
+                                            kv_length=kv_length, transposed=True,
+                                            backward=True)
     plgpu.barrier_wait(kv_full.at[wg * 2 + 0])
     plgpu.barrier_wait(kv_full.at[wg * 2 + 1])
 
@@ -238,7 +241,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     def one_head(g, carry):
       step_base = g * per_head - cta_lo  # ring step of query block qi is step_base + qi
       slot_of = lambda qi: lax.rem(step_base + qi, stages)
-      # (The query head only matters to ALiBi and dropout: don't compute it otherwise.)
+      # (The query head only matters to ALiBi, dropout and the user's functions: don't compute
+      # it otherwise.)
       scores = key_scores.for_head(kv_head * groups + g) if mods.per_head else key_scores
 
       def release(qi, c):
@@ -253,7 +257,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         cols = scores.columns(qi, block_q)
         wait_filled(slot)
         st = common.matmul(k_smem.at[wg], q_smem.at[slot].T, (block_kv, block_q))  # S^T
-        st, tanh_st = scores(st, cols, masked=masked)
+        st, chain = scores(st, cols, masked=masked)
         lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
         pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
         keep = scores.dropout_keep(pt, cols)  # transposed like the tile
@@ -265,8 +269,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           dpt = common.matmul(v_smem.at[wg], do_smem.at[slot].T, (block_kv, block_q))
           dpt = scores.dropped(dpt, keep)
           delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
-          dst = mods_lib.soft_cap_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
-                                       tanh_st)
+          dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
+                                    chain)
           acc["dk"] = common.matmul_acc(acc["dk"], dst.astype(dtype), q_smem.at[slot], stage)
         plgpu.barrier_arrive(slot_free.at[slot])
         return acc

@@ -63,7 +63,7 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
               interpret: bool = False, fwd_cfg: config_lib.KernelConfig | None = None,
               logits_soft_cap: float | None = None, q_segment_ids=None, kv_segment_ids=None,
               alibi_slopes=None, dropout_rate: float = 0.0, dropout_seed=None,
-              broadcast_dropout: bool = False):
+              broadcast_dropout: bool = False, mask_fn=None, score_fn=None):
   """q [B, T, Hq, D], k/v [B, S, Hkv, D] (bf16/f16), lengths int32 [B] or None.
   `fwd_cfg` overrides the forward tiles (benchmarks compare variants with it).
 
@@ -81,12 +81,19 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
     dropout_seed: uint32 or int32 [2] (`pallas_attn.dropout.seed_from_key(key)`); needed when
       dropout_rate > 0.
     broadcast_dropout: one keep-mask for every batch element and head.
+    mask_fn, score_fn: FlexAttention-style functions (as `pallas_attn.attention` takes them),
+      traced into the kernels: mask_fn(b, h, q_idx, kv_idx) -> bool and
+      score_fn(s, b, h, q_idx, kv_idx) -> s on each tile, with b, h int32 scalars (global batch
+      index, query head) and q_idx, kv_idx int32 tiles of positions. Functions that close over
+      arrays or use primitives the Mosaic GPU lowering lacks raise NotImplementedError
+      (`mods.element_fns_problem`).
 
   Returns (out [B, T, Hq, D], lse [B, Hq, T] float32 with +inf on rows that saw no key).
   """
   mods, mod_arrays = mods_lib.from_arguments(q, k, logits_soft_cap, q_segment_ids,
                                              kv_segment_ids, alibi_slopes, dropout_rate,
-                                             dropout_seed, broadcast_dropout)
+                                             dropout_seed, broadcast_dropout, mask_fn=mask_fn,
+                                             score_fn=score_fn)
   static = _static(q.shape[-1], scale, spec, interpret, fwd_cfg, mods)
   position_free_mods = mods == mods_lib.KernelMods(soft_cap=mods.soft_cap)
   if gqa_pack.should_pack(q.shape, k.shape[2], spec, k.shape[1], position_free_mods,
@@ -165,7 +172,8 @@ def _sharded_forward(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_array
                                       auto_axes=not static.interpret)
 
 
-# mod_arrays: q_segment_ids, kv_segment_ids, alibi_slopes, dropout_prefix (each None when absent).
+# mod_arrays: q_segment_ids, kv_segment_ids, alibi_slopes, dropout_prefix, batch_index,
+# head_index (each None when absent).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   return _sharded_forward(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
@@ -183,8 +191,8 @@ def _attention_bwd(static, res, cotangents):
       functools.partial(_backward_pass, static), sharding.BACKWARD,
       q, k, v, d_out, lse, numerics.delta(d_out, out), q_lengths, kv_lengths, *mod_arrays,
       auto_axes=not static.interpret)
-  # No cotangent for the lengths, the segment ids, the dropout prefix nor the ALiBi slopes
-  # (constants: see `mods.constant_slopes`).
+  # No cotangent for the lengths, the segment ids, the dropout prefix, the indices nor the ALiBi
+  # slopes (constants: see `mods.constant_slopes`).
   return (dq, dk, dv, None, None) + (None,) * len(mod_arrays)
 
 
