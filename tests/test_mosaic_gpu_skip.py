@@ -210,3 +210,22 @@ def _gpu_params():
 def test_gpu_kernels_skip_by_segment(case, seed):
   _poison_allocator(64 << 20)
   _check(case, seed, interpret=False)
+
+
+def test_benchmark_skipped_fraction_is_what_the_forward_table_visits():
+  """benchmarks/masking.py reports the Mosaic GPU forward's skipped tiles: those its block table
+  leaves out (8 documents of 2048 in 16384, causal: ~94%)."""
+  from benchmarks import masking
+  from benchmarks.shapes import Shape
+  shape = Shape(1, 16384, 16384, 1, 1, 128, True, "docs", segment_len=2048)
+  cfg = config_lib.forward_config(shape.head_dim)
+  lengths = jnp.asarray([shape.seq_q], jnp.int32)
+  ids = jnp.asarray(masking.segment_ids(shape))
+  vis = block_table.block_visibility(
+      masking.mask_spec(shape), lengths, lengths, block_q=cfg.block_q, block_kv=cfg.block_kv,
+      num_q_blocks=shape.seq_q // cfg.block_q, num_kv_blocks=shape.seq_kv // cfg.block_kv,
+      q_segment_ids=ids, kv_segment_ids=ids)
+  skipped = 1.0 - float(np.asarray(vis.visible).mean())
+  reported = masking.masking_fields("pallas_attn:mosaic_gpu", shape)["skipped_block_fraction"]
+  assert reported == pytest.approx(skipped, abs=1e-12)
+  assert skipped > 0.93

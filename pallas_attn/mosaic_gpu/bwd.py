@@ -10,8 +10,9 @@ With delta = rowsum(dO * O) precomputed, dS = P * (dP - delta) where dP = dO V^T
   lse and delta tiles for every query head of the GQA group and every visible query block; each
   compute warpgroup accumulates dV = P^T dO and dK = scale * dS^T Q for its key rows, summed over
   the group in registers (no per-query-head copy of dK/dV).
-Block skipping and end-of-range masking follow `mask`, and the score modifiers `mods`, exactly
-as in the forward kernel; with a soft-cap, dS is multiplied by the cap's derivative. With
+Block skipping and end-of-range masking follow `mask` (with segment ids: a block table per CTA,
+`block_table.query_major` for dQ, `key_major` for dK/dV, the same list for every query head of the
+group), and the score modifiers `mods`, exactly as in the forward kernel; with a soft-cap, dS is multiplied by the cap's derivative. With
 dropout, dP is masked and scaled by the regenerated keep-mask, dS = P * (dP_dropped - delta), and
 dV takes the dropped, scaled P. Rows whose
 lse is +inf (no visible key, or past their query length) get P = 0 and no gradient.

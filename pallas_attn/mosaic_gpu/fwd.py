@@ -9,9 +9,13 @@ works in base 2 (scale * log2(e) folded into one multiply, exp2 on the SFU).
 Only key blocks that can hold a visible key are loaded (`mask.kv_block_range`: causal, window and
 key-length skipping); element masks are applied only to the tiles at the two ends of that range
 (`mask.kv_full_range`). The producer loads the union of both warpgroups' ranges; a warpgroup
-releases the slots outside its own range without computing on them. Soft-cap, ALiBi and segment
-ids (`mods`) change the logits of every tile when given; with dropout, the probabilities that
-multiply V are masked by the regenerated keep-mask and scaled by 1 / (1 - rate).
+releases the slots outside its own range without computing on them. With segment ids the CTA
+walks its list in a block table instead (`block_table`, built outside the kernel: blocks whose
+segments cannot meet are skipped too), each entry telling each warpgroup to release, compute
+masked or compute unmasked; both warpgroups walk the whole list, so the ping-pong meetings stay
+paired (two per entry, whatever the mode). Soft-cap and ALiBi (`mods`) change the logits of every
+tile when given; with dropout, the probabilities that multiply V are masked by the regenerated
+keep-mask and scaled by 1 / (1 - rate).
 """
 
 from __future__ import annotations
