@@ -15,9 +15,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import cases
 from pallas_attn import mask as mask_lib
 from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import config as config_lib
+from pallas_attn.mosaic_gpu import ops
 from test_mosaic_gpu import _poison_allocator
 from test_mosaic_gpu_mods import _case, _check, _kernel_vjp
 
@@ -159,13 +161,32 @@ def test_block_mask_is_anded_in():
   assert block_table.query_major(vis).counts.shape == (1, heads, n // _WGS)
 
 
+def test_tables_hold_no_quadratic_value():
+  """Building the tables (forward, dQ, dK/dV) stores nothing of size q_len x kv_len."""
+  q_len, kv_len = 1000, 1100
+  q = jax.ShapeDtypeStruct((2, q_len, 2, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, kv_len, 2, 64), jnp.bfloat16)
+  ids = (jax.ShapeDtypeStruct((2, q_len), jnp.int32), jax.ShapeDtypeStruct((2, kv_len), jnp.int32))
+
+  def loss(q, k, v, q_ids, kv_ids):
+    out, _ = ops.attention(q, k, v, None, None, scale=0.125, spec=mask_lib.MaskSpec(is_causal=True),
+                           interpret=True, q_segment_ids=q_ids, kv_segment_ids=kv_ids)
+    return out.astype(jnp.float32).sum()
+
+  report = cases.find_quadratic_intermediates(jax.grad(loss, argnums=(0, 1, 2)), q, kv, kv, *ids,
+                                              q_len=q_len, kv_len=kv_len)
+  assert not report, report.offenders[:10]
+  assert report.primitives.get("argsort", 0) + report.primitives.get("sort", 0) >= 2, (
+      report.primitives)  # the walk saw the tables being built
+
+
 # ---------------------------------------------------------------------------------------------
 # The kernels over the tables.
 
 # 300 queries, 5 documents of uneven lengths; the first 20 keys are of a segment no query shares
-# (rows of the first document see no key). GQA 4 over 2 (2 over 1 with lengths). Causal: tiles of the dQ and dK/dV grids
-# (64 x 64) inside the second document are FULL (no mask); not causal, the long third document
-# makes FULL tiles of the forward's 64 x 128 grid too.
+# (rows of the first document see no key). GQA 4 over 2 (2 over 1 with lengths). Causal: tiles of
+# the dQ and dK/dV grids (64 x 64) inside the second document are FULL (no mask); not causal, the
+# long third document makes FULL tiles of the forward's 64 x 128 grid too.
 _KERNEL_CASES = {c.name: c for c in (
     _case("docs_causal_300x300", 1, 300, 300, 4, 2, is_causal=True,
           segment_cuts=((0.1, 0.7, 0.8, 0.9),), foreign_keys=20),

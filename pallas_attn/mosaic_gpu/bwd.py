@@ -12,10 +12,10 @@ With delta = rowsum(dO * O) precomputed, dS = P * (dP - delta) where dP = dO V^T
   the group in registers (no per-query-head copy of dK/dV).
 Block skipping and end-of-range masking follow `mask` (with segment ids: a block table per CTA,
 `block_table.query_major` for dQ, `key_major` for dK/dV, the same list for every query head of the
-group), and the score modifiers `mods`, exactly as in the forward kernel; with a soft-cap, dS is multiplied by the cap's derivative. With
-dropout, dP is masked and scaled by the regenerated keep-mask, dS = P * (dP_dropped - delta), and
-dV takes the dropped, scaled P. Rows whose
-lse is +inf (no visible key, or past their query length) get P = 0 and no gradient.
+group), and the score modifiers `mods`, exactly as in the forward kernel; with a soft-cap, dS is
+multiplied by the cap's derivative. With dropout, dP is masked and scaled by the regenerated
+keep-mask, dS = P * (dP_dropped - delta), and dV takes the dropped, scaled P. Rows whose lse is
++inf (no visible key, or past their query length) get P = 0 and no gradient.
 """
 
 from __future__ import annotations
@@ -183,7 +183,8 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref, mod_refs,
-                table_refs, *refs, spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
+                table_refs, *refs, spec: mask_lib.MaskSpec, scale: float,
+                cfg: config_lib.KernelConfig,
                 num_q_blocks: int, groups: int, outputs: tuple[str, ...],
                 mods: mods_lib.KernelMods):
   out_refs = dict(zip(outputs, refs[:len(outputs)]))
@@ -344,8 +345,8 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   return grads["dk"], grads["dv"]
 
 
-def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, *, scale, spec, cfg,
-              interpret, outputs, mods):
+def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, *, scale,
+              spec, cfg, interpret, outputs, mods):
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
