@@ -16,11 +16,14 @@ import numpy as np
 import pytest
 
 import cases
+import pallas_attn
+from pallas_attn import dropout
 from pallas_attn import mask as mask_lib
 from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import ops
 from test_mosaic_gpu import _poison_allocator
+from test_mosaic_gpu_dropout import RATE, _inputs
 from test_mosaic_gpu_mods import _case, _check, _kernel_vjp
 
 _WGS = config_lib.COMPUTE_WARPGROUPS
@@ -250,3 +253,32 @@ def test_benchmark_skipped_fraction_is_what_the_forward_table_visits():
   reported = masking.masking_fields("pallas_attn:mosaic_gpu", shape)["skipped_block_fraction"]
   assert reported == pytest.approx(skipped, abs=1e-12)
   assert skipped > 0.93
+
+
+def test_interpreted_dropout_over_tables(seed):
+  """Dropout over block tables (the keep-mask regenerated from positions on FULL tiles, which load
+  no segment ids), against the portable path."""
+  q, k, v, do, key = _inputs(1, 200, 200, 2, 1, 64, seed)
+  ids = jnp.asarray((np.arange(200) >= 190)[None], jnp.int32)  # documents [0, 190), [190, 200)
+
+  def kernels(q, k, v):
+    out, lse = ops.attention(q, k, v, None, None, scale=0.125, spec=mask_lib.MaskSpec(),
+                             interpret=True, q_segment_ids=ids, kv_segment_ids=ids,
+                             dropout_rate=RATE, dropout_seed=dropout.seed_from_key(key))
+    return out, jnp.swapaxes(lse, 1, 2)  # as the API returns it
+
+  def portable(q, k, v):
+    return pallas_attn.attention(q, k, v, segment_ids=ids, implementation="blocked_jax",
+                                 dropout_rate=RATE, dropout_rng=key, return_residual=True)
+
+  up = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  got, want = _outputs_and_grads(kernels, q, k, v, do), _outputs_and_grads(portable, *up)
+  for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+    err = cases.rel_err(g, w)
+    assert err < (1e-4 if name == "lse" else 2e-2), f"{name}: rel err {err:.3e}"
+
+
+def _outputs_and_grads(f, q, k, v, do):
+  """(out, lse, dq, dk, dv) of `f(q, k, v) -> (out, lse)` with the output cotangent `do`."""
+  (out, lse), vjp = jax.vjp(jax.jit(f), q, k, v)
+  return (out, lse, *vjp((do, jnp.zeros_like(lse))))
