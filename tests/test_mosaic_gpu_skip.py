@@ -200,7 +200,9 @@ _KERNEL_CASES = {c.name: c for c in (
 
 @pytest.mark.parametrize("name", list(_KERNEL_CASES))
 def test_interpreted_kernels_skip_by_segment(name, seed):
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
   _check(_KERNEL_CASES[name], seed, interpret=True)
+  assert interpret_pallas_call.get_races().races_found is False
 
 
 def test_skipping_kernels_lower_for_cuda():
