@@ -140,7 +140,7 @@ def test_masked_fractions_are_exact():
   in_docs = (n // doc) * per_doc * (per_doc + 1) / 2
   assert masking.skipped_block_fraction(docs, blk, blk, True) == 1 - in_docs / nb ** 2
   assert masking.skipped_block_fraction(docs, blk, blk, False) == \
-      masking.skipped_block_fraction(causal, blk, blk, False)  # the Mosaic kernels: causal only
+      masking.skipped_block_fraction(causal, blk, blk, False)  # no segment skipping: causal only
   fields = masking.masking_fields("jax_cudnn", docs)
   assert fields["dense_mask"] and fields["skipped_block_fraction"] is None
   assert not masking.masking_fields("pallas_attn:mosaic_gpu", docs)["dense_mask"]

@@ -31,9 +31,10 @@ Order on the natural-log logits of a tile (the semantics issue #5 sets for every
   Mosaic GPU lowering lacks, cannot be traced: `element_fns_problem` says why (the dispatcher
   then picks the portable path).
 - Segment ids: query i sees key j only where q_segment_ids[b, i] == kv_segment_ids[b, j]. A call
-  with segment ids element-masks every tile. Blocks are not skipped by segment (a packed batch
-  with many short documents still visits every block the positional mask allows): that would
-  need per-block min/max ids computed outside the kernels.
+  with segment ids runs the kernels over block tables (`block_table`, built outside the kernels
+  from per-block min/max ids): tiles whose segments cannot meet are skipped, and only the tiles
+  the table marks MASKED are element-masked (position and segment); a FULL tile holds one
+  segment on both sides and every pair is visible, so it gets no mask at all.
 
 The kernels' softmax runs in base 2. Without a soft-cap, scale * log2(e) is one multiply and the
 ALiBi slope is scaled by log2(e) too; with one, the capped natural-log logit is formed first
@@ -419,11 +420,12 @@ class TileScorer:
       scorer = dataclasses.replace(scorer, user_head=self.refs.head_index[head])
     return scorer
 
-  def columns(self, block, size: int) -> Columns:
+  def columns(self, block, size: int, *, masked: bool = True) -> Columns:
     """The columns of the next tile: block `block` of `size` positions. Call it before waiting
-    for the tile's data, so that loading the segment ids overlaps the wait."""
+    for the tile's data, so that loading the segment ids overlaps the wait. An unmasked tile
+    needs no segment ids (see `__call__`)."""
     cols = Columns(block, size)
-    if not self.mods.segment_ids:
+    if not (self.mods.segment_ids and masked):
       return cols
     col_ref = self.refs.q_segment_ids if self.transposed else self.refs.kv_segment_ids
     return cols._replace(
@@ -432,8 +434,10 @@ class TileScorer:
   def __call__(self, s, cols: Columns, *, masked: bool):
     """Base-2 logits of the raw float32 tile `s` (WGMMA layout), -inf where hidden.
 
-    masked: apply the positional mask (causal / window / key length); the range ends need it,
-    the tiles in between do not. Segment ids and mask_fn, when given, mask every tile.
+    masked: apply the positional mask (causal / window / key length) and, with segment ids, the
+    segment mask. The positional range ends need it, the tiles in between do not; with segment
+    ids the block table decides (an unmasked tile holds one segment on both sides). mask_fn,
+    when given, masks every tile.
     Returns (logits, LogitGrad): for `logit_grad` in the backward kernels.
     """
     mods = self.mods
@@ -471,7 +475,7 @@ class TileScorer:
       if positions is None:
         positions = self._positions(s, cols)
       keep = common.tile_mask(self.spec, positions, self.kv_length)
-    if mods.segment_ids:
+    if mods.segment_ids and masked:
       same = (common.broadcast_rows(self.row_segment_ids, s.shape)
               == common.broadcast_cols(cols.segment_ids, s.shape))
       keep = same if keep is None else keep & same

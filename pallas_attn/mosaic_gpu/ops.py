@@ -16,6 +16,7 @@ import jax
 from pallas_attn import mask as mask_lib
 from pallas_attn import numerics
 from pallas_attn import sharding
+from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import bwd
 from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import fwd
@@ -121,6 +122,23 @@ def backward(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
                         q_lengths, kv_lengths)
 
 
+def _visibility(static: _Static, cfg: config_lib.KernelConfig, q_lengths, kv_lengths,
+                q_len: int, kv_len: int, mod_arrays: mods_lib.ModArrays):
+  """The tiles of `cfg`'s grid over the padded lengths that positions and segment ids leave
+  visible (`block_table.block_visibility`); None without segment ids: the kernels then skip by
+  position alone, in the kernel."""
+  if not static.mods.segment_ids:
+    return None
+  return block_table.block_visibility(
+      static.spec, q_lengths, kv_lengths, block_q=cfg.block_q, block_kv=cfg.block_kv,
+      num_q_blocks=q_len // cfg.block_q, num_kv_blocks=kv_len // cfg.block_kv,
+      q_segment_ids=mod_arrays.q_segment_ids, kv_segment_ids=mod_arrays.kv_segment_ids)
+
+
+def _table(visibility, build):
+  return None if visibility is None else build(visibility)
+
+
 def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   if static.pack_gqa:
     kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
@@ -131,9 +149,13 @@ def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   q_len = q.shape[1]
   padded = mask_lib.pad_to_tiles(q, k, v, q_lengths, kv_lengths, static.q_multiple,
                                  static.kv_multiple)
-  mod_arrays = mods_lib.ModArrays(*mod_arrays).padded(padded[0].shape[1], padded[1].shape[1])
+  padded_lens = padded[0].shape[1], padded[1].shape[1]
+  mod_arrays = mods_lib.ModArrays(*mod_arrays)
+  table = _table(_visibility(static, static.fwd_cfg, *padded[3:], *padded_lens, mod_arrays),
+                 block_table.query_major)
   out, lse = fwd.forward(*padded, scale=static.scale, spec=static.spec, cfg=static.fwd_cfg,
-                         interpret=static.interpret, mods=static.mods, mod_arrays=mod_arrays)
+                         interpret=static.interpret, mods=static.mods,
+                         mod_arrays=mod_arrays.padded(*padded_lens), table=table)
   return out[:, :q_len], lse[:, :, :q_len]
 
 
@@ -152,17 +174,25 @@ def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_le
       q, k, v, q_lengths, kv_lengths, static.q_multiple, static.kv_multiple)
   d_out, lse, delta = mask_lib.pad_row_inputs(d_out.astype(q.dtype), lse, delta,
                                               static.q_multiple)
-  mod_arrays = mods_lib.ModArrays(*mod_arrays).padded(q.shape[1], k.shape[1])
+  mod_arrays = mods_lib.ModArrays(*mod_arrays)
+  dq_visibility = _visibility(static, static.dq_cfg, q_lengths, kv_lengths, q.shape[1],
+                              k.shape[1], mod_arrays)
+  dkv_visibility = dq_visibility
+  if (static.dkv_cfg.block_q, static.dkv_cfg.block_kv) != (static.dq_cfg.block_q,
+                                                           static.dq_cfg.block_kv):
+    dkv_visibility = _visibility(static, static.dkv_cfg, q_lengths, kv_lengths, q.shape[1],
+                                 k.shape[1], mod_arrays)
   common = dict(scale=static.scale, spec=static.spec, interpret=static.interpret,
-                mods=static.mods, mod_arrays=mod_arrays)
-  dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg, **common)
+                mods=static.mods, mod_arrays=mod_arrays.padded(q.shape[1], k.shape[1]))
+  dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg,
+              table=_table(dq_visibility, block_table.query_major), **common)
   if static.interpret:
     # The interpreter keeps one global model of shared memory and runs each warpgroup as a
     # thread that blocks on barriers; two kernels interpreted at once (XLA may run the
     # independent dQ and dK/dV calls concurrently) can deadlock. Order them.
     dq, q = jax.lax.optimization_barrier((dq, q))
   dk, dv = bwd.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, cfg=static.dkv_cfg,
-                   **common)
+                   table=_table(dkv_visibility, block_table.key_major), **common)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
 
 
