@@ -152,6 +152,12 @@ PRESETS = {
     "masked_tiny": masked_tiny,
     "cpu": cpu_sweep,
     "tiny": tiny_sweep,
+    # benchmarks/tune.py on the H200: the d128 anchors at N = 4096, and d64 / d256 (their gaps to
+    # cuDNN are the largest: forward at d64, forward+backward at d256).
+    "tune_mix": lambda: (fa_sweep(seqs=(4096,), head_dims=(128,))
+                         + fa_sweep(seqs=(4096,), head_dims=(64, 256), causal=(False,))),
+    # benchmarks/tune.py's CPU smoke test: one causal shape, one head.
+    "tune_smoke": lambda: [Shape(1, 96, 96, 1, 1, 64, True, "cpu")],
     "none": lambda: [],
 }
 

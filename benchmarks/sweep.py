@@ -118,7 +118,7 @@ def _attempt(thunk):
     return None, e
 
 
-def _compile_all(jobs: dict, workers: int) -> dict:
+def compile_all(jobs: dict, workers: int) -> dict:
   """{key: thunk} -> {key: (result, None) or (None, exception)}, in `workers` threads. A job that
   fails in a thread is retried on the main thread, so threading can never be the cause."""
   if workers <= 1 or len(jobs) <= 1:
@@ -232,7 +232,7 @@ def run_sweep(shapes: Iterable[Shape], impls: list[impls_lib.Impl], cfg: SweepCo
     if not skipping:
       jobs = _shape_jobs(shape, tasks, cfg, checked[index])
       progress.note(f"compiling {len(jobs)} calls at {shape.name}")
-      compiled = _compile_all(jobs, cfg.compile_workers)
+      compiled = compile_all(jobs, cfg.compile_workers)
     _time_shape(shape, tasks, index, cfg, compiled, None if skipping else checked[index],
                 emit, progress, ceiling_tflops, ctx, over_budget)
     del compiled

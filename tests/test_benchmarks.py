@@ -18,6 +18,10 @@ from benchmarks import run  # noqa: E402
 from benchmarks import shapes  # noqa: E402
 from benchmarks import sweep  # noqa: E402
 from benchmarks import timing  # noqa: E402
+from benchmarks import tune  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import pallas_attn  # noqa: E402
+from pallas_attn.mosaic_gpu import config as config_lib  # noqa: E402
 
 # bf16 inputs and outputs: one rounding of the output is up to 2^-8 = 3.9e-3 of its largest entry.
 MAX_REL_ERR = 2e-2
@@ -270,3 +274,90 @@ def test_ring_benchmark_cpu_smoke(tmp_path):
   assert summary[2]["speedup"] > 0 and summary[2]["scaling_efficiency"] > 0
   assert summary[2]["exposed_comm_ms"] is not None
   assert summary[2]["overlap"] is None or 0.0 <= summary[2]["overlap"] <= 1.0
+
+
+# ---- benchmarks/tune.py: kernel config variants ----------------------------------------------
+
+def test_tune_smoke_in_the_interpreter(tmp_path):
+  """The tuner's loop with the real kernels (interpreted): the default and one variant are
+  built, checked against each other and timed; the file holds the returned rows."""
+  out = tmp_path / "tune.jsonl"
+  rows = tune.main(["--variants", "fwd_kv64", "--passes", "fwd", "--out", str(out), "--quiet",
+                    "--compile-workers", "1"])
+  assert [json.loads(line) for line in out.read_text().splitlines()] == rows
+  by_variant = {r["variant"]: r for r in rows}
+  assert set(by_variant) == {"default", "fwd_kv64"}
+  variant = by_variant["fwd_kv64"]
+  assert variant["error"] is None and variant["ms"] > 0 and variant["ratio_to_default"] > 0
+  assert 0 <= variant["max_rel_err_vs_default"] < MAX_REL_ERR
+  assert variant["configs"]["fwd"]["block_kv"] == 64
+  assert by_variant["default"]["configs"]["fwd"]["block_kv"] == 128
+
+
+def _fake_kernels(monkeypatch, wrong: dict):
+  """tune.attend_fn replaced by the dense reference (fast on the CPU), times `wrong[variant]`."""
+  def attend_fn(name, head_dim, interpret):
+    del interpret
+    def attend(q, k, v, *, is_causal, window=None, segment_len=None):
+      spec = pallas_attn.MaskSpec(is_causal=is_causal)
+      out, _ = pallas_attn.reference_attention(q, k, v, spec=spec, scale=head_dim ** -0.5)
+      return out * wrong.get(name, 1.0)
+    return attend
+  monkeypatch.setattr(tune, "attend_fn", attend_fn)
+
+
+def test_tune_refuses_wrong_variants_and_does_not_time_them(monkeypatch):
+  _fake_kernels(monkeypatch, {"fwd_kv64": 1.1, "dq_kv128": float("nan")})
+  cfg = tune.TuneConfig(variants=("default", "fwd_kv64", "dq_kv128", "fwd_kv128"),
+                        timing=timing.TimingConfig(warmup=1, repeats=1, max_calls=1))
+  rows = []
+  tune.run([shapes.Shape(1, 64, 64, 2, 2, 64, True, "cpu")], cfg, rows.append, interpret=True)
+  got = {(r["variant"], r["pass"]): r for r in rows}
+  for pass_ in timing.PASSES:
+    assert got[("default", pass_)]["error"] is None and got[("default", pass_)]["ms"] > 0
+    wrong = got[("fwd_kv64", pass_)]
+    assert wrong["error_kind"] == "wrong" and wrong["ms"] is None, wrong
+    assert wrong["max_rel_err_vs_default"] > 0.05
+    assert got[("fwd_kv128", pass_)]["error_kind"] == "same"  # the default's configs at d64
+  assert got[("dq_kv128", "fwd")]["error_kind"] == "same"  # dQ does not run in the forward
+  nan_row = got[("dq_kv128", "fwd_bwd")]
+  assert nan_row["error_kind"] == "wrong" and "non-finite" in nan_row["error"]
+  text = tune.table(rows)
+  assert "WRONG" in text and "fwd_kv64" in text
+
+
+def test_tune_budget_skips_the_rest_and_says_so(monkeypatch):
+  _fake_kernels(monkeypatch, {})
+  cfg = tune.TuneConfig(variants=("default", "fwd_kv64"), passes=("fwd",), budget_s=1e-9,
+                        timing=timing.TimingConfig(warmup=1, repeats=1, max_calls=1))
+  rows = []
+  tune.run(shapes.preset("tune_smoke"), cfg, rows.append, interpret=True)
+  assert rows and all(r["error_kind"] == "skipped" for r in rows)
+  assert "--budget-s" in rows[0]["error"] and "skip" in tune.table(rows)
+
+
+def test_tune_variants_are_valid_or_say_why_not():
+  """Every variant builds at every head_dim, or names why it is not measured; the ones issue #4
+  asks for fit where expected (block_kv 192 forward at head_dim 128)."""
+  for head_dim in config_lib.SUPPORTED_HEAD_DIMS:
+    shape = shapes.Shape(1, 4096, 4096, 2048 // head_dim, 2048 // head_dim, head_dim, True, "fa")
+    for name in tune.VARIANTS:
+      why = tune.why_not(name, shape, jnp.bfloat16)
+      assert why is None or why.startswith(("does not fit", "same configs")), (name, why)
+  d128 = shapes.Shape(4, 4096, 4096, 16, 16, 128, True, "fa")
+  for name in ("fwd_kv192", "fwd_kv64_3st", "fwd_overlap_3st", "dq_kv128", "dq_3st", "dkv_q128",
+               "reverse_q", "tiles_first", "tiles_last"):
+    assert tune.why_not(name, d128, jnp.bfloat16) is None, name
+  assert tune.why_not("fwd_kv256", d128, jnp.bfloat16).startswith("does not fit")
+
+
+def test_tune_parses_ptxas_output():
+  text = """ptxas info    : Compiling entry function 'mosaic_gpu_kernel' for 'sm_90a'
+ptxas info    : Function properties for mosaic_gpu_kernel
+    0 bytes stack frame, 24 bytes spill stores, 16 bytes spill loads
+ptxas info    : Used 168 registers, used 1 barriers
+ptxas info    : Compiling entry function 'other' for 'sm_90a'
+ptxas info    : Used 90 registers"""
+  assert tune.parse_ptxas(text) == [
+      {"entry": "mosaic_gpu_kernel", "registers": 168, "spill_stores": 24, "spill_loads": 16},
+      {"entry": "other", "registers": 90, "spill_stores": None, "spill_loads": None}]

@@ -7,6 +7,7 @@ the allocator poisoned with NaN so that tiles a kernel fails to write show up.
 Run those on the H200 with: PYTHONPATH=. python3 -m pytest -m gpu tests/test_mosaic_gpu.py
 """
 
+import contextlib
 import functools
 
 import jax
@@ -17,6 +18,8 @@ import pytest
 import cases
 import pallas_attn
 from pallas_attn import dispatch
+from pallas_attn.mosaic_gpu import config as config_lib
+from pallas_attn.mosaic_gpu import ops
 
 LOW = (cases.BF16, cases.F16)
 
@@ -83,6 +86,149 @@ def test_explicit_mosaic_gpu_without_hopper_says_so():
   q = jnp.ones((1, 8, 2, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="no Hopper GPU.*interpret=True"):
     pallas_attn.attention(q, q, q, implementation="mosaic_gpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Kernel variants (config.KernelConfig options other than the table's): the tuner's candidates
+# (benchmarks/tune.py), each combining several options so that few runs cover them all.
+
+_K = config_lib.KernelConfig
+# name -> {pass: config}; the table's entry for the other passes.
+_VARIANTS = {
+    "kv192_reversed_tiles_first": {
+        "fwd": _K(64, 192, reverse_q_tiles=True, grid_order=("tiles", "heads", "batch")),
+        "dq": _K(64, 128, stages=3, reverse_q_tiles=True),
+        "dkv": _K(128, 64, stages=3, grid_order=("heads", "batch", "tiles"))},
+    "kv256_3stages_no_ping_pong_tiles_last": {
+        "fwd": _K(64, 256, stages=3, ping_pong=False, grid_order=("heads", "batch", "tiles")),
+        "dq": _K(64, 128, stages=1, grid_order=("tiles", "heads", "batch")),
+        "dkv": _K(128, 64, stages=1)},
+    "kv64_3stages": {"fwd": _K(64, 64, stages=3), "dq": _K(64, 64, stages=3),
+                     "dkv": _K(64, 64, stages=3)},
+    "overlap_qk_kv64_3stages": {"fwd": _K(64, 64, stages=3, overlap_qk=True)},
+    "overlap_qk_no_ping_pong": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False)},
+}
+# Two query tiles of 128 rows and several key blocks at every block_kv, odd lengths.
+_CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_203x203")
+_VARIANT_CASES = [
+    ("kv192_reversed_tiles_first", _CAUSAL_203),
+    ("kv192_reversed_tiles_first", cases.get_case("mqa_113x203")),  # dK/dV sums a group of 4
+    ("kv256_3stages_no_ping_pong_tiles_last", cases.get_case("window_l32_r8_203x113")),
+    ("kv64_3stages", cases.get_case("causal_113x203")),
+    ("overlap_qk_kv64_3stages", _CAUSAL_203),
+    ("overlap_qk_kv64_3stages", cases.get_case("lengths_kv0_113x203")),  # rows with no key
+    ("overlap_qk_no_ping_pong", cases.get_case("window_l32_r8_203x113")),
+]
+
+
+@contextlib.contextmanager
+def kernel_table(head_dim: int, configs: dict):
+  """config.DEFAULTS with `configs` ({pass: KernelConfig}) at `head_dim`, so that calls through
+  the public API use them. jax's caches are cleared on entry and exit: a trace made with the
+  other table must not be reused."""
+  saved = dict(config_lib.DEFAULTS)
+  config_lib.DEFAULTS.update({(head_dim, p): cfg for p, cfg in configs.items()})
+  jax.clear_caches()
+  try:
+    yield
+  finally:
+    config_lib.DEFAULTS.clear()
+    config_lib.DEFAULTS.update(saved)
+    jax.clear_caches()
+
+
+def test_kernel_table_reaches_the_kernels():
+  """The patched table is what a call uses (else the variant tests would test the defaults)."""
+  configs = _VARIANTS["kv64_3stages"]
+  with kernel_table(64, configs):
+    static = ops._static(64, 1.0, pallas_attn.MaskSpec(), True)
+  assert (static.fwd_cfg, static.dq_cfg, static.dkv_cfg) == (
+      configs["fwd"], configs["dq"], configs["dkv"])
+  assert ops._static(64, 1.0, pallas_attn.MaskSpec(), True).fwd_cfg == config_lib.DEFAULTS[
+      (64, "fwd")]
+
+
+@pytest.mark.parametrize("variant,case", [pytest.param(v, c.replace(dtype=cases.BF16),
+                                                       id=f"{v}-{c.name}")
+                                          for v, c in _VARIANT_CASES])
+def test_interpreted_variants_match_reference(variant, case, seed):
+  with kernel_table(case.head_dim, _VARIANTS[variant]):
+    cases.check_case(case, "mosaic_gpu", interpret=True, seed=seed)
+
+
+# head_dim -> configs: every option, and the largest tiles that fit, at least once.
+_LOWERED_VARIANTS = [
+    (64, {"fwd": _K(64, 256, stages=3), "dq": _K(64, 128, stages=3), "dkv": _K(128, 64, 3)}),
+    (128, {"fwd": _K(64, 192), "dq": _K(64, 128), "dkv": _K(128, 64)}),
+    (128, {"fwd": _K(64, 64, stages=3, reverse_q_tiles=True, ping_pong=False,
+                     grid_order=("tiles", "heads", "batch")),
+           "dq": _K(64, 64, stages=3, reverse_q_tiles=True, grid_order=("heads", "batch", "tiles")),
+           "dkv": _K(64, 64, stages=3, grid_order=("tiles", "heads", "batch"))}),
+    (256, {"fwd": _K(64, 128, stages=1)}),
+    (128, {"fwd": _K(64, 128, stages=3, overlap_qk=True)}),
+    (256, {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)}),
+]
+
+
+@pytest.mark.parametrize("head_dim,configs", _LOWERED_VARIANTS,
+                         ids=[f"d{d}-{i}" for i, (d, _) in enumerate(_LOWERED_VARIANTS)])
+def test_variant_kernels_lower_for_cuda(head_dim, configs):
+  """The variants pass the Pallas -> Mosaic GPU lowering, which the interpreter does not run
+  (and whose shared-memory check is the real one: block_kv 192 at head_dim 128 fits)."""
+  q = jax.ShapeDtypeStruct((1, 300, 2, head_dim), jnp.bfloat16)
+  overrides = {f"{p}_cfg": cfg for p, cfg in configs.items()}
+
+  def loss(q, k, v):
+    out, _ = ops.attention(q, k, v, None, None, scale=0.1,
+                           spec=pallas_attn.MaskSpec(is_causal=True), **overrides)
+    return out.astype(jnp.float32).sum()
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
+      lowering_platforms=("cuda",))
+  assert lowered.as_text().count("mosaic_gpu_v2") >= 3  # forward, dQ, dK/dV
+
+
+@pytest.mark.parametrize("head_dim,pass_,cfg", [(128, "dq", _K(64, 128, stages=3)),
+                                                (128, "dkv", _K(128, 64, stages=3)),
+                                                (256, "fwd", _K(64, 128))])
+def test_variant_over_shared_memory_says_so(head_dim, pass_, cfg):
+  q = jnp.zeros((1, 128, 1, head_dim), jnp.bfloat16)
+  with pytest.raises(ValueError, match=r"needs .* KiB of shared memory, more than the 227 KiB"):
+    jax.eval_shape(lambda q: jax.grad(lambda q: ops.attention(
+        q, q, q, None, None, scale=0.1, spec=pallas_attn.MaskSpec(),
+        **{f"{pass_}_cfg": cfg})[0].astype(jnp.float32).sum())(q), q)
+
+
+def test_overlap_qk_needs_a_deeper_ring():
+  with pytest.raises(ValueError, match="overlap_qk needs stages >= 2, and >= 3 with ping_pong"):
+    _K(64, 128, stages=2, overlap_qk=True)
+  with pytest.raises(ValueError, match="overlap_qk needs"):
+    _K(64, 128, stages=1, overlap_qk=True, ping_pong=False)
+  assert _K(64, 128, stages=2, overlap_qk=True, ping_pong=False).overlap_qk
+
+
+def test_smem_budget_counts_as_mosaic_gpu_does(monkeypatch):
+  """`common.smem_bytes` (what the tuner and the checks use) equals Mosaic GPU's own count."""
+  from jax.experimental.mosaic.gpu import core as mgpu_core
+  from pallas_attn.mosaic_gpu import bwd, common, fwd
+  counted = []
+  size = mgpu_core._smem_tree_size
+  monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda t: counted.append(size(t)) or size(t))
+  fwd_cfg, dq_cfg, dkv_cfg = _K(64, 192), _K(64, 128), _K(128, 64)
+  q = jax.ShapeDtypeStruct((1, 300, 2, 128), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out, _ = ops.attention(q, k, v, None, None, scale=0.1, spec=pallas_attn.MaskSpec(),
+                           fwd_cfg=fwd_cfg, dq_cfg=dq_cfg, dkv_cfg=dkv_cfg)
+    return out.astype(jnp.float32).sum()
+
+  jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(lowering_platforms=("cuda",))
+  bf16 = jnp.bfloat16
+  assert counted == [
+      common.smem_bytes(fwd.scratch_types(fwd_cfg, 128, bf16, interpret=False)),  # no reserve
+      common.smem_bytes(bwd.dq_scratch_types(dq_cfg, 128, bf16, interpret=False)),
+      common.smem_bytes(bwd.dkv_scratch_types(dkv_cfg, 128, bf16, interpret=False))]
+  assert counted[0] > config_lib.SMEM_BYTES - common.REDUCTION_SCRATCH_BYTES
 
 
 # ---------------------------------------------------------------------------------------------
@@ -163,3 +309,32 @@ def test_gpu_long_sequences(seq, is_causal, seed):
     assert np.isfinite(np.asarray(got, np.float32)).all(), what
     err = cases.rel_err(got, want)
     assert err < 1e-2, f"{what}: rel err {err:.3e}"
+
+
+# The interpreter's variants resized for head_dim 128 (whose shared memory holds fewer stages).
+_GPU_VARIANTS = {
+    "kv192_reversed_tiles_first": {
+        "fwd": _K(64, 192, reverse_q_tiles=True, grid_order=("tiles", "heads", "batch")),
+        "dq": _K(64, 128, reverse_q_tiles=True),
+        "dkv": _K(128, 64, grid_order=("heads", "batch", "tiles"))},
+    "kv256_1stage_no_ping_pong_tiles_last": {
+        "fwd": _K(64, 256, stages=1, ping_pong=False, grid_order=("heads", "batch", "tiles")),
+        "dq": _K(64, 128, stages=1, grid_order=("tiles", "heads", "batch")),
+        "dkv": _K(128, 64, stages=1)},
+    "kv64_3stages": _VARIANTS["kv64_3stages"],
+    "overlap_qk_3stages": {"fwd": _K(64, 128, stages=3, overlap_qk=True)},
+    "overlap_qk_kv64_no_ping_pong": {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)},
+}
+
+
+@gpu
+@pytest.mark.parametrize("variant,case", [
+    pytest.param(v, c.replace(dtype=cases.BF16, head_dim=128), id=f"{v}-{c.name}-d128")
+    for v in _GPU_VARIANTS
+    for c in (cases.get_case("causal_1023x1024"), cases.get_case("mha_1000x1000"),
+              cases.get_case("gqa_causal_window_lengths_1000x1000"),
+              cases.get_case("gqa_causal_lengths_113x203"))])
+def test_gpu_variants_match_reference(variant, case, seed):
+  with kernel_table(case.head_dim, _GPU_VARIANTS[variant]):
+    _poison_allocator(64 << 20)
+    cases.check_case(case, "mosaic_gpu", seed=seed)

@@ -47,7 +47,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
                q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_staging,
                q_full, k_full, v_full, k_free, v_free, *,
                spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-               num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods):
+               num_q_tiles: int, num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -57,14 +57,14 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
   kv_head = lax.div(head, groups)
   kv_length = kv_len_ref[batch]
 
-  cta_start = lax.axis_index("q_tiles") * (_WGS * block_q)
+  q_tile = common.tile_index("q_tiles", num_q_tiles, cfg.reverse_q_tiles)
+  cta_start = q_tile * (_WGS * block_q)
   cta_list = None
   if table_refs is None:
     cta_lo, cta_hi = mask_lib.kv_block_range(spec, cta_start, _WGS * block_q, block_kv,
                                              num_kv_blocks, kv_length)
   else:
-    cta_list = block_table.CtaList.read(table_refs, batch=batch, head=head,
-                                        tile=lax.axis_index("q_tiles"))
+    cta_list = block_table.CtaList.read(table_refs, batch=batch, head=head, tile=q_tile)
 
   @pl.when(wg == _WGS)
   def _producer():
@@ -150,34 +150,44 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
   `table`: `block_table.query_major` at (cfg.block_q, cfg.block_kv), or None (positions)."""
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
-  kernel = functools.partial(_dq_kernel, spec=spec, scale=scale, cfg=cfg,
+  num_q_tiles = q_len // (_WGS * cfg.block_q)
+  kernel = functools.partial(_dq_kernel, spec=spec, scale=scale, cfg=cfg, num_q_tiles=num_q_tiles,
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
                              mods=mods)
-  tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=common.TILE_TRANSFORMS)
+  params = common.compiler_params_within_smem(
+      dq_scratch_types(cfg, head_dim, q.dtype, interpret=False), f"the dQ kernel with {cfg}",
+      reduces=False)
+  grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
   return plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      scratch_types=[
-          tile(_WGS, cfg.block_q, head_dim),  # q, then dq out
-          tile(_WGS, cfg.block_q, head_dim),  # dO
-          plgpu.SMEM((_WGS, cfg.block_q), jnp.float32),  # lse
-          plgpu.SMEM((_WGS, cfg.block_q), jnp.float32),  # delta
-          tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
-          tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
-          common.staging_scratch(interpret, (_WGS, cfg.block_q, cfg.block_kv), q.dtype),
-          plgpu.Barrier(num_barriers=_WGS * 4),  # q, dO, lse, delta loaded (per warpgroup)
-          plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled
-          plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled
-          plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # k slot free
-          plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # v slot free
-      ],
-      grid=(heads_q, q_len // (_WGS * cfg.block_q), batch),
-      grid_names=("heads", "q_tiles", "batch"),
+      scratch_types=dq_scratch_types(cfg, head_dim, q.dtype, interpret),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=_WGS + 1,
       thread_name="wg",
-      compiler_params=common.compiler_params(),
+      compiler_params=params,
       interpret=common.interpret_params(interpret),
   )(q, k, v, d_out, lse, delta, kv_lengths, mod_arrays, table)
+
+
+def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
+  """The dQ kernel's shared memory and barriers (the order `_dq_kernel` takes them in)."""
+  tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
+  return [
+      tile(_WGS, cfg.block_q, head_dim),  # q, then dq out
+      tile(_WGS, cfg.block_q, head_dim),  # dO
+      plgpu.SMEM((_WGS, cfg.block_q), jnp.float32),  # lse
+      plgpu.SMEM((_WGS, cfg.block_q), jnp.float32),  # delta
+      tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
+      tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
+      common.staging_scratch(interpret, (_WGS, cfg.block_q, cfg.block_kv), dtype),
+      plgpu.Barrier(num_barriers=_WGS * 4),  # q, dO, lse, delta loaded (per warpgroup)
+      plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled
+      plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled
+      plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # k slot free
+      plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # v slot free
+  ]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -201,6 +211,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   q_length = q_len_ref[batch]
   kv_length = kv_len_ref[batch]
 
+  # (Causal: the first key tiles see the most queries; the launch order is heaviest first already.)
   cta_start = lax.axis_index("kv_tiles") * (_WGS * block_kv)
   cta_list = None
   if table_refs is None:
@@ -340,6 +351,9 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   if table is not None and table.counts.shape[1] != 1:
     raise NotImplementedError("per-head block tables (a per-head block mask) in the Mosaic GPU "
                               "dK/dV kernel")
+  if cfg.reverse_q_tiles:
+    raise ValueError("reverse_q_tiles is a forward / dQ option: the dK/dV kernel's grid runs over "
+                     "key tiles")
   passes = (("dv",), ("dk",)) if cfg.split_dkv else (("dk", "dv"),)
   grads = {}
   for outputs in passes:
@@ -356,27 +370,37 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, tab
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
                              num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv,
                              outputs=outputs, mods=mods)
-  tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=common.TILE_TRANSFORMS)
-  ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
+  params = common.compiler_params_within_smem(
+      dkv_scratch_types(cfg, head_dim, q.dtype, interpret=False), f"the dK/dV kernel with {cfg}",
+      reduces=False)
+  grid, grid_names = cfg.grid(heads=heads_kv, tiles=kv_len // (_WGS * cfg.block_kv), batch=batch,
+                              tile_axis="kv_tiles")
   return plgpu.kernel(
       kernel,
       out_type=tuple(jax.ShapeDtypeStruct(k.shape, k.dtype) for _ in outputs),
-      scratch_types=[
-          tile(_WGS, cfg.block_kv, head_dim),  # k, then dk out
-          tile(_WGS, cfg.block_kv, head_dim),  # v, then dv out
-          tile(cfg.stages, cfg.block_q, head_dim),  # q ring
-          tile(cfg.stages, cfg.block_q, head_dim),  # dO ring
-          plgpu.SMEM((cfg.stages, cfg.block_q), jnp.float32),  # lse ring
-          plgpu.SMEM((cfg.stages, cfg.block_q), jnp.float32),  # delta ring
-          common.staging_scratch(interpret, (_WGS, cfg.block_kv, cfg.block_q), q.dtype),
-          plgpu.Barrier(num_barriers=_WGS * 2),  # k, v loaded (per warpgroup)
-          ring(), ring(), ring(), ring(),  # q, dO, lse, delta slot filled
-          plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # slot free
-      ],
-      grid=(heads_kv, kv_len // (_WGS * cfg.block_kv), batch),
-      grid_names=("heads", "kv_tiles", "batch"),
+      scratch_types=dkv_scratch_types(cfg, head_dim, q.dtype, interpret),
+      grid=grid,
+      grid_names=grid_names,
       num_threads=_WGS + 1,
       thread_name="wg",
-      compiler_params=common.compiler_params(),
+      compiler_params=params,
       interpret=common.interpret_params(interpret),
   )(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table)
+
+
+def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
+  """The dK/dV kernel's shared memory and barriers (the order `_dkv_kernel` takes them in)."""
+  tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
+  ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
+  return [
+      tile(_WGS, cfg.block_kv, head_dim),  # k, then dk out
+      tile(_WGS, cfg.block_kv, head_dim),  # v, then dv out
+      tile(cfg.stages, cfg.block_q, head_dim),  # q ring
+      tile(cfg.stages, cfg.block_q, head_dim),  # dO ring
+      plgpu.SMEM((cfg.stages, cfg.block_q), jnp.float32),  # lse ring
+      plgpu.SMEM((cfg.stages, cfg.block_q), jnp.float32),  # delta ring
+      common.staging_scratch(interpret, (_WGS, cfg.block_kv, cfg.block_q), dtype),
+      plgpu.Barrier(num_barriers=_WGS * 2),  # k, v loaded (per warpgroup)
+      ring(), ring(), ring(), ring(),  # q, dO, lse, delta slot filled
+      plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # slot free
+  ]

@@ -13,6 +13,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import mask as mask_lib
+from pallas_attn.mosaic_gpu import config as config_lib
 
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
@@ -26,13 +27,57 @@ WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [rows, cols] 
 WGMMA_COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column
 
 
+# Mosaic GPU starts every scratch buffer at a multiple of 1 KiB; barriers (8 bytes each) follow.
+SMEM_ALIGNMENT = 1024
+BARRIER_BYTES = 8
+# Pallas reserves this much shared memory in a kernel that reduces (`CompilerParams.
+# reduction_scratch_bytes`), for reductions across warps. Ours reduce a WGMMA tile over its
+# columns, which one warp holds, and never use it: a kernel that fits only without it drops it.
+REDUCTION_SCRATCH_BYTES = plgpu.CompilerParams().reduction_scratch_bytes
+
+
+def _align(nbytes: int) -> int:
+  return -(-nbytes // SMEM_ALIGNMENT) * SMEM_ALIGNMENT
+
+
+def smem_bytes(scratch_types, reduction_scratch: bool = False) -> int:
+  """Shared memory a kernel with `scratch_types` (nested tuples allowed) takes, as Mosaic GPU
+  counts it: the buffers, each from a 1 KiB boundary; the reduction scratch when reserved; then
+  the barriers."""
+  buffers = barriers = 0
+  for item in jax.tree.leaves(scratch_types, is_leaf=lambda x: not isinstance(x, (tuple, list))):
+    if isinstance(item, plgpu.Barrier):
+      count = item.num_barriers  # an int, or the barrier array's shape
+      barriers += math.prod(count if isinstance(count, tuple) else (count,)) * BARRIER_BYTES
+    else:
+      buffers = _align(buffers) + math.prod(item.shape) * jnp.dtype(item.dtype).itemsize
+  reserved = REDUCTION_SCRATCH_BYTES if reduction_scratch else 0
+  return _align(buffers + reserved) + barriers
+
+
+def compiler_params_within_smem(scratch_types, what: str, reduces: bool):
+  """The kernel's compiler params, after checking that `scratch_types` fit the shared memory of
+  one CTA (227 KiB; ValueError if not). A kernel that `reduces` keeps Pallas's reduction scratch
+  when it fits beside the buffers, and goes without it otherwise (see REDUCTION_SCRATCH_BYTES)."""
+  if reduces and smem_bytes(scratch_types, reduction_scratch=True) <= config_lib.SMEM_BYTES:
+    return compiler_params()
+  need = smem_bytes(scratch_types)
+  if need > config_lib.SMEM_BYTES:
+    raise ValueError(f"{what} needs {need / 1024:.1f} KiB of shared memory, more than the "
+                     f"{config_lib.SMEM_BYTES // 1024} KiB of a Hopper CTA")
+  return compiler_params(reduction_scratch=not reduces)
+
+
 def interpret_params(interpret: bool):
   """`interpret=True` runs the kernel in the Mosaic GPU interpreter (CPU), checking for races."""
   return plgpu.InterpretGPUParams(detect_races=True) if interpret else None
 
 
-def compiler_params():
-  return plgpu.CompilerParams(approx_math=True)
+def compiler_params(reduction_scratch: bool = True):
+  """`reduction_scratch=False`: no shared memory reserved for cross-warp reductions."""
+  if reduction_scratch:
+    return plgpu.CompilerParams(approx_math=True)
+  return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 
 
 def matmul(lhs, rhs, shape, while_running=None) -> jax.Array:
@@ -69,6 +114,24 @@ def matmul_acc(acc, lhs, rhs, staging=None) -> jax.Array:
   return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
+def matmul_overlapped(lhs, rhs, shape, staging, while_running):
+  """(lhs @ rhs into a fresh float32 accumulator, while_running()): lhs a register array,
+  `while_running` computed on the CUDA cores while the wgmma runs. In the interpreter lhs is
+  staged through the shared-memory ref `staging`, as in `matmul_acc`."""
+  if staging is not None:
+    staging[...] = lhs
+    plgpu.commit_smem()
+    lhs = staging
+
+  def body(acc_ref):
+    plgpu.wgmma(acc_ref, lhs, rhs)
+    result = while_running()
+    plgpu.wgmma_wait(0)
+    return acc_ref[...], result
+
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
 def staging_scratch(interpret: bool, shape, dtype):
   """The shared-memory staging buffer `matmul_acc` needs in the interpreter (none compiled)."""
   return (plgpu.SMEM(shape, dtype, transforms=TILE_TRANSFORMS),) if interpret else ()
@@ -91,6 +154,12 @@ def tile_mask(spec: mask_lib.MaskSpec, positions, kv_length):
   """
   q_pos, kv_pos = positions
   return mask_lib.visible(spec, q_pos, kv_pos, None, kv_length)
+
+
+def tile_index(axis: str, num_tiles: int, reverse: bool):
+  """The tile this CTA owns along grid axis `axis`; `reverse` visits them last first."""
+  index = lax.axis_index(axis)
+  return num_tiles - 1 - index if reverse else index
 
 
 def broadcast_rows(x, shape):

@@ -1,16 +1,24 @@
-"""Tile sizes and pipeline depth for the Mosaic GPU kernels, chosen by one pure function.
+"""Tile sizes and pipeline depth of the Mosaic GPU kernels: one table, per (head_dim, pass).
 
-Shared-memory budget on Hopper: 227 KiB per CTA. Forward (2 compute warpgroups, a ring of
-`stages` K/V slots), bf16/f16 (2 bytes):
-  q/o tiles   2 * block_q * head_dim * 2
-  k ring      stages * block_kv * head_dim * 2
-  v ring      stages * block_kv * head_dim * 2
-  head_dim 128, block_q 64, block_kv 128, 2 stages: 32 + 64 + 64 = 160 KiB.
-  head_dim 256, block_q 64, block_kv 64,  2 stages: 64 + 64 + 64 = 192 KiB.
-dQ kernel: q and dO tiles per compute warpgroup plus the K/V ring (same arithmetic as above with
-q counted twice). dK/dV kernel: K and V tiles per compute warpgroup, a ring of q/dO tiles.
-Registers bound the accumulators: a warpgroup (128 threads) holding dK and dV for a 64-row key
-tile at head_dim 128 spends 2 * 64 * 128 * 4 / 128 = 512 bytes (128 registers) per thread.
+`DEFAULTS` is the table the kernels use; edit it from `benchmarks/tune.py`'s results (every
+entry there is one `KernelConfig`). `ops.attention` / `forward` / `backward` take `fwd_cfg`,
+`dq_cfg` and `dkv_cfg` overrides, which is how the tuner builds its variants.
+
+Shared-memory budget on Hopper: 227 KiB per CTA (`SMEM_BYTES`). Each kernel checks its real
+footprint before it is built (`common.check_smem`: every scratch buffer rounded up to the 1 KiB
+Mosaic GPU aligns it to, plus the barriers), so a variant either fits or says by how much it does
+not. The arithmetic, bf16/f16 (2 bytes):
+- forward: q/o tiles 2 * block_q * head_dim * 2, K and V rings 2 * stages * block_kv * head_dim * 2.
+  head_dim 128, block_q 64, block_kv 128, 2 stages: 32 + 64 + 64 = 160 KiB; block_kv 192: 224 KiB
+  (+ 1 KiB lse, 1 KiB barriers: fits). head_dim 256, block_kv 64, 2 stages: 64 + 128 = 192 KiB.
+- dQ: q and dO tiles per compute warpgroup, the same K/V ring. head_dim 256: q and dO take
+  128 KiB, so the ring gets one slot (two would need 256 KiB).
+- dK/dV: K and V tiles per compute warpgroup, a ring of q/dO tiles (block_q rows each).
+Registers bound the accumulators (232 per thread of a compute warpgroup): the forward's S tile
+[64, block_kv] float32 takes block_kv / 2 registers per thread, the accumulator head_dim / 2; dQ
+holds S, dP (block_kv / 2 each) and dQ (head_dim / 2); dK/dV holds dK and dV (head_dim / 2
+each for a 64-row key tile) plus S^T and dP^T (block_q / 2 each), which is why head_dim 256
+splits dK and dV into two launches (`split_dkv`).
 """
 
 from __future__ import annotations
@@ -22,6 +30,10 @@ SMEM_BYTES = 227 * 1024
 # Two warpgroups compute (each owns `block_q` query rows, or `block_kv` key rows in dK/dV); a third
 # issues the TMA copies.
 COMPUTE_WARPGROUPS = 2
+PASSES = ("fwd", "dq", "dkv")
+# The grid axes of every kernel: "tiles" is the kernel's own (query tiles in the forward and dQ
+# kernels, key tiles in dK/dV).
+GRID_AXES = ("heads", "tiles", "batch")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,39 +49,81 @@ class KernelConfig:
   ping_pong: bool = True
   # dK/dV only: compute dV and dK in two launches (when both accumulators don't fit registers).
   split_dkv: bool = False
+  # Forward only: FlashAttention-3's intra-warpgroup overlap: tile j's softmax runs while the
+  # tensor cores multiply tile j - 1's probabilities by its V (two tiles' values live: more
+  # registers). V slot j - 1 is freed only after tile j's K slot was waited for, so the ring
+  # needs a slot more than without: 2 stages, 3 with ping-pong (whose meetings would otherwise
+  # hold one warpgroup at a meeting the other reaches only after that K slot is refilled).
+  overlap_qk: bool = False
+  # Forward and dQ: visit the query tiles last first. Under a causal mask the last tile sees the
+  # most keys, so the heaviest CTAs start in the first wave and the tail wave is made of light
+  # ones (FA3's causal scheduling). Harmless without a mask (every tile weighs the same).
+  reverse_q_tiles: bool = False
+  # Launch order of the grid, fastest-varying axis first (CUDA's x, y, z): a permutation of
+  # GRID_AXES. The default keeps every head of one tile index together; ("tiles", "heads",
+  # "batch") runs all tiles of one head together (they share K/V, or q/dO, in L2).
+  grid_order: tuple[str, ...] = GRID_AXES
 
   def __post_init__(self):
-    if self.block_q % 64 or self.block_kv % 64:
+    if self.block_q % 64 or self.block_kv % 64 or not (self.block_q and self.block_kv):
       raise ValueError(f"block_q ({self.block_q}) and block_kv ({self.block_kv}) must be "
-                       f"multiples of 64 (the wgmma tile height)")
+                       f"positive multiples of 64 (the wgmma tile height)")
+    if self.block_kv > 256:
+      raise ValueError(f"block_kv ({self.block_kv}) must be at most 256 (the wgmma width)")
     if self.stages < 1:
       raise ValueError(f"stages must be >= 1, got {self.stages}")
+    if self.overlap_qk and self.stages < (3 if self.ping_pong else 2):
+      raise ValueError(f"overlap_qk needs stages >= 2, and >= 3 with ping_pong (the V slot of "
+                       f"tile j - 1 is freed after tile j's K slot is waited for), got "
+                       f"stages={self.stages}, ping_pong={self.ping_pong}")
+    if sorted(self.grid_order) != sorted(GRID_AXES):
+      raise ValueError(f"grid_order must be a permutation of {GRID_AXES}, got "
+                       f"{self.grid_order}")
+
+  def grid(self, *, heads: int, tiles: int, batch: int, tile_axis: str):
+    """plgpu.kernel's (grid, grid_names) in `grid_order`, the "tiles" axis named `tile_axis`."""
+    sizes = {"heads": heads, "tiles": tiles, "batch": batch}
+    names = tuple(tile_axis if axis == "tiles" else axis for axis in self.grid_order)
+    return tuple(sizes[axis] for axis in self.grid_order), names
+
+
+# (head_dim, pass) -> the tiles the kernels use. Forward: the largest key block whose K/V ring
+# fits beside the two q tiles with 2 stages. dQ and dK/dV: 64 x 64 tiles keep S, dP and the
+# accumulators of a warpgroup in registers; at head_dim 256 single-slot rings (see the module
+# docstring) and dK, dV in two launches.
+DEFAULTS: dict[tuple[int, str], KernelConfig] = {
+    (64, "fwd"): KernelConfig(block_q=64, block_kv=128),
+    (128, "fwd"): KernelConfig(block_q=64, block_kv=128),
+    (256, "fwd"): KernelConfig(block_q=64, block_kv=64),
+    (64, "dq"): KernelConfig(block_q=64, block_kv=64),
+    (128, "dq"): KernelConfig(block_q=64, block_kv=64),
+    (256, "dq"): KernelConfig(block_q=64, block_kv=64, stages=1),
+    (64, "dkv"): KernelConfig(block_q=64, block_kv=64),
+    (128, "dkv"): KernelConfig(block_q=64, block_kv=64),
+    (256, "dkv"): KernelConfig(block_q=64, block_kv=64, stages=1, split_dkv=True),
+}
+
+
+def kernel_config(head_dim: int, pass_: str) -> KernelConfig:
+  """The table's config for one kernel ("fwd", "dq" or "dkv") at `head_dim`."""
+  if pass_ not in PASSES:
+    raise ValueError(f"pass must be one of {PASSES}, got {pass_!r}")
+  if (head_dim, pass_) not in DEFAULTS:
+    raise ValueError(f"no Mosaic GPU {pass_} tiling for head_dim {head_dim} "
+                     f"(supported: {SUPPORTED_HEAD_DIMS})")
+  return DEFAULTS[(head_dim, pass_)]
 
 
 def forward_config(head_dim: int, dtype_bytes: int = 2) -> KernelConfig:
-  """Forward tiles: the largest key block whose K/V ring fits beside the two q tiles."""
-  block_q = 64
-  for block_kv in (128, 64):
-    cfg = KernelConfig(block_q=block_q, block_kv=block_kv, stages=2)
-    smem = (COMPUTE_WARPGROUPS * block_q + 2 * cfg.stages * block_kv) * head_dim * dtype_bytes
-    if smem <= SMEM_BYTES - 4096:  # headroom for barriers and the lse tile
-      return cfg
-  raise ValueError(f"no forward tiling fits head_dim {head_dim}")
+  del dtype_bytes  # the table is for 2-byte inputs, the only ones the kernels take
+  return kernel_config(head_dim, "fwd")
 
 
 def dq_config(head_dim: int, dtype_bytes: int = 2) -> KernelConfig:
-  """dQ tiles: q and dO per compute warpgroup, a K/V ring. block_kv 64 keeps the S, dP and dQ
-  tiles of a warpgroup in registers (2 x 32 + head_dim / 2 per thread). head_dim 256: q and dO
-  take 128 KiB, so the K/V ring gets one slot (64 KiB x 2 for two would overflow 227 KiB)."""
   del dtype_bytes
-  return KernelConfig(block_q=64, block_kv=64, stages=1 if head_dim > 128 else 2)
+  return kernel_config(head_dim, "dq")
 
 
 def dkv_config(head_dim: int, dtype_bytes: int = 2) -> KernelConfig:
-  """dK/dV tiles: K and V per compute warpgroup, a q/dO ring. The dK and dV accumulators of a
-  64-row key tile take head_dim registers per thread; at head_dim 256 they don't fit together,
-  so dV and dK are separate launches, and the ring has one slot (K/V take 128 KiB)."""
   del dtype_bytes
-  if head_dim > 128:
-    return KernelConfig(block_q=64, block_kv=64, stages=1, split_dkv=True)
-  return KernelConfig(block_q=64, block_kv=64, stages=2)
+  return kernel_config(head_dim, "dkv")

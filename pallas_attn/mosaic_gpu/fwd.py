@@ -15,7 +15,8 @@ segments cannot meet are skipped too), each entry telling each warpgroup to rele
 masked or compute unmasked; both warpgroups walk the whole list, so the ping-pong meetings stay
 paired (two per entry, whatever the mode). Soft-cap and ALiBi (`mods`) change the logits of every
 tile when given; with dropout, the probabilities that multiply V are masked by the regenerated
-keep-mask and scaled by 1 / (1 - rate).
+keep-mask and scaled by 1 / (1 - rate). `cfg.overlap_qk` applies to the range loops; a block
+table is walked one tile at a time.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
             qo_smem, k_smem, v_smem, lse_smem, p_staging, q_full, k_full, v_full, k_free, v_free,
             schedule, *,
             spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-            num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods):
+            num_q_tiles: int, num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -53,7 +54,8 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
 
   # The key blocks this CTA needs: the union of its two warpgroups' ranges, or its list in the
   # block table (segment ids).
-  cta_start = lax.axis_index("q_tiles") * (config_lib.COMPUTE_WARPGROUPS * block_q)
+  q_tile = common.tile_index("q_tiles", num_q_tiles, cfg.reverse_q_tiles)
+  cta_start = q_tile * (config_lib.COMPUTE_WARPGROUPS * block_q)
   cta_list = None
   if table_refs is None:
     cta_lo, cta_hi = mask_lib.kv_block_range(
@@ -61,8 +63,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
         kv_length)
     cta_hi = jnp.where(cta_start >= q_length, cta_lo, cta_hi)  # every row is padding
   else:
-    cta_list = block_table.CtaList.read(table_refs, batch=batch, head=head,
-                                        tile=lax.axis_index("q_tiles"))
+    cta_list = block_table.CtaList.read(table_refs, batch=batch, head=head, tile=q_tile)
 
   @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
   def _producer():
@@ -108,34 +109,80 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       meet()
       return carry
 
-    def step(slot, j, carry, *, masked: bool):
-      """Key block j, in ring slot `slot`."""
-      acc, m_i, l_i = carry
+    def qk(j, slot, masked: bool):
+      """Tile j's logits S = q k^T with its modifiers and masks; frees the K slot."""
       cols = scores.columns(j, block_kv, masked=masked)
       plgpu.barrier_wait(k_full.at[slot])
-
       # The first meeting lets the other warpgroup's softmax start once this QK^T is issued.
       s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv),  # [block_q, block_kv]
                         while_running=meet)
       plgpu.barrier_arrive(k_free.at[slot])
       s, _ = scores(s, cols, masked=masked)
-      # Online softmax in base 2: rescale the old state by 2^(m_old - m_new).
+      return s, cols
+
+    def online_softmax(s, m_i, l_i):
+      """Online softmax in base 2: (p, m_new, l_new, alpha), the old state to be rescaled by
+      alpha = 2^(m_old - m_new)."""
       m_new = jnp.maximum(m_i, s.max(axis=1))
       alpha = jnp.exp2(m_i - m_new)
       p = jnp.exp2(s - common.broadcast_rows(m_new, s.shape))
       l_i = l_i * alpha + p.sum(axis=1)  # the undropped row sum: lse ignores dropout
-      acc = acc * common.broadcast_rows(alpha, acc.shape)
-      p = scores.dropped(p, scores.dropout_keep(p, cols))  # kept weights / (1 - rate)
-      if cfg.ping_pong:  # second meeting: softmax done; wait until the tensor cores are ours
+      return p, m_new, l_i, alpha
+
+    def tensor_core_turn(slot):
+      """Before P V: the V slot is filled and (ping-pong) the second meeting says the tensor
+      cores are ours."""
+      if cfg.ping_pong:
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_full.at[slot])
         plgpu.barrier_wait(schedule)
       else:
         plgpu.barrier_wait(v_full.at[slot])
-      acc = common.matmul_acc(acc, p.astype(dtype), v_smem.at[slot],
-                              p_staging[0].at[wg] if p_staging else None)
+
+    staging = p_staging[0].at[wg] if p_staging else None
+
+    def step(slot, j, carry, *, masked: bool):
+      """Key block j, in ring slot `slot`."""
+      acc, m_i, l_i = carry
+      s, cols = qk(j, slot, masked)
+      p, m_new, l_i, alpha = online_softmax(s, m_i, l_i)
+      acc = acc * common.broadcast_rows(alpha, acc.shape)
+      p = scores.dropped(p, scores.dropout_keep(p, cols))  # kept weights / (1 - rate)
+      tensor_core_turn(slot)  # the second meeting: softmax done
+      acc = common.matmul_acc(acc, p.astype(dtype), v_smem.at[slot], staging)
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l_i
+
+    # cfg.overlap_qk (FlashAttention-3's intra-warpgroup overlap): tile j's softmax runs while
+    # the tensor cores multiply tile j - 1's probabilities by its V. The carry holds those
+    # probabilities (p, not yet applied); the first tile has no predecessor, and the last tile's
+    # P V follows the loop. V slot j - 1 is freed in step j, so the ring needs 2 slots.
+    def first_step(carry):
+      acc, m_i, l_i, _ = carry
+      s, cols = qk(lo, slot_of(lo), masked=True)  # (masking a tile that needs none is exact)
+      p, m_new, l_i, _ = online_softmax(s, m_i, l_i)  # acc is zero: nothing to rescale
+      meet()  # this block's second meeting
+      return acc, m_new, l_i, scores.dropped(p, scores.dropout_keep(p, cols)).astype(dtype)
+
+    def overlapped_step(j, carry, *, masked: bool):
+      acc, m_i, l_i, p_prev = carry
+      slot, prev = slot_of(j), slot_of(j - 1)
+      s, cols = qk(j, slot, masked)
+      tensor_core_turn(prev)
+      pv, (p, m_new, l_i, alpha) = common.matmul_overlapped(
+          p_prev, v_smem.at[prev], acc.shape, staging,
+          while_running=lambda: online_softmax(s, m_i, l_i))
+      plgpu.barrier_arrive(v_free.at[prev])
+      acc = (acc + pv) * common.broadcast_rows(alpha, acc.shape)
+      return acc, m_new, l_i, scores.dropped(p, scores.dropout_keep(p, cols)).astype(dtype)
+
+    def last_pv(carry):
+      acc, m_i, l_i, p = carry
+      last = slot_of(hi - 1)
+      plgpu.barrier_wait(v_full.at[last])
+      acc = common.matmul_acc(acc, p, v_smem.at[last], staging)
+      plgpu.barrier_arrive(v_free.at[last])
+      return acc, m_i, l_i, p
 
     plgpu.barrier_wait(q_full.at[wg])
     carry = (
@@ -144,16 +191,26 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
         plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), common.WGMMA_ROW),
     )
     pl.when(wg == 1)(meet)  # offsets the two warpgroups by one meeting
-    if cta_list is None:
-      release_block = lambda j, c: release(slot_of(j), c)
-      lax.fori_loop(cta_lo, lo, release_block, None)
-      carry = common.masked_loops(lo, full_lo, full_hi, hi,
-                                  lambda j, c, masked: step(slot_of(j), j, c, masked=masked),
-                                  carry)
-      lax.fori_loop(hi, cta_hi, release_block, None)
-    else:  # both warpgroups walk the whole list: two meetings per entry, whatever the mode
+    if cta_list is not None:  # both warpgroups walk the whole list: two meetings per entry
       carry = cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(i, stages), release=release,
                              step=step)
+    else:
+      release_block = lambda j, c: release(slot_of(j), c)
+      lax.fori_loop(cta_lo, lo, release_block, None)
+      if cfg.overlap_qk:
+        carry += (plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), common.WGMMA),)
+        keep = lambda c: c
+        carry = lax.cond(lo < hi, first_step, keep, carry)
+        start = lo + 1  # (past hi when there is no tile: the loops below run zero times)
+        carry = common.masked_loops(start, jnp.maximum(full_lo, start),
+                                    jnp.maximum(full_hi, jnp.maximum(full_lo, start)), hi,
+                                    overlapped_step, carry)
+        carry = lax.cond(lo < hi, last_pv, keep, carry)[:3]
+      else:
+        carry = common.masked_loops(lo, full_lo, full_hi, hi,
+                                    lambda j, c, masked: step(slot_of(j), j, c, masked=masked),
+                                    carry)
+      lax.fori_loop(hi, cta_hi, release_block, None)
     pl.when(wg == 0)(meet)
     acc, m_i, l_i = carry
 
@@ -187,32 +244,42 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   num_q_tiles = q_len // (config_lib.COMPUTE_WARPGROUPS * cfg.block_q)
-  kernel = functools.partial(_kernel, spec=spec, scale=scale, cfg=cfg,
+  kernel = functools.partial(_kernel, spec=spec, scale=scale, cfg=cfg, num_q_tiles=num_q_tiles,
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
                              mods=mods)
-  wgs = config_lib.COMPUTE_WARPGROUPS
-  tile = lambda *shape: plgpu.SMEM(shape, q.dtype, transforms=common.TILE_TRANSFORMS)
+  # (The row max and row sum of the online softmax are its reductions.)
+  params = common.compiler_params_within_smem(
+      scratch_types(cfg, head_dim, q.dtype, interpret=False), f"the forward kernel with {cfg}",
+      reduces=True)
+  grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((batch, heads_q, q_len), jnp.float32)),
-      scratch_types=[
-          tile(wgs, cfg.block_q, head_dim),  # q in, then o out, per compute warpgroup
-          tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
-          tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
-          plgpu.SMEM((wgs, cfg.block_q), jnp.float32),  # lse out
-          common.staging_scratch(interpret, (wgs, cfg.block_q, cfg.block_kv), q.dtype),
-          plgpu.Barrier(num_barriers=wgs),  # q loaded
-          plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled
-          plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled
-          plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # k slot free
-          plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # v slot free
-          plgpu.Barrier(num_arrivals=wgs),  # ping-pong meetings
-      ],
-      grid=(heads_q, num_q_tiles, batch),
-      grid_names=("heads", "q_tiles", "batch"),
-      num_threads=wgs + 1,
+      scratch_types=scratch_types(cfg, head_dim, q.dtype, interpret),
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=config_lib.COMPUTE_WARPGROUPS + 1,
       thread_name="wg",
-      compiler_params=common.compiler_params(),
+      compiler_params=params,
       interpret=common.interpret_params(interpret),
   )(q, k, v, q_lengths, kv_lengths, mod_arrays, table)
+
+
+def scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
+  """The forward kernel's shared memory and barriers (the order `_kernel` takes them in)."""
+  wgs = config_lib.COMPUTE_WARPGROUPS
+  tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
+  return [
+      tile(wgs, cfg.block_q, head_dim),  # q in, then o out, per compute warpgroup
+      tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
+      tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
+      plgpu.SMEM((wgs, cfg.block_q), jnp.float32),  # lse out
+      common.staging_scratch(interpret, (wgs, cfg.block_q, cfg.block_kv), dtype),
+      plgpu.Barrier(num_barriers=wgs),  # q loaded
+      plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled
+      plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # k slot free
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # v slot free
+      plgpu.Barrier(num_arrivals=wgs),  # ping-pong meetings
+  ]

@@ -53,20 +53,27 @@ class _Static:
 
 def _static(head_dim: int, scale: float, spec: mask_lib.MaskSpec, interpret: bool,
             fwd_cfg: config_lib.KernelConfig | None = None,
+            dq_cfg: config_lib.KernelConfig | None = None,
+            dkv_cfg: config_lib.KernelConfig | None = None,
             mods: mods_lib.KernelMods = mods_lib.KernelMods()) -> _Static:
+  """The call's static part; a config left None is the table's (`config.DEFAULTS`)."""
   return _Static(
       scale=scale, spec=spec, interpret=interpret,
-      fwd_cfg=fwd_cfg or config_lib.forward_config(head_dim), dq_cfg=config_lib.dq_config(head_dim),
-      dkv_cfg=config_lib.dkv_config(head_dim), mods=mods)
+      fwd_cfg=fwd_cfg or config_lib.kernel_config(head_dim, "fwd"),
+      dq_cfg=dq_cfg or config_lib.kernel_config(head_dim, "dq"),
+      dkv_cfg=dkv_cfg or config_lib.kernel_config(head_dim, "dkv"), mods=mods)
 
 
 def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
               interpret: bool = False, fwd_cfg: config_lib.KernelConfig | None = None,
+              dq_cfg: config_lib.KernelConfig | None = None,
+              dkv_cfg: config_lib.KernelConfig | None = None,
               logits_soft_cap: float | None = None, q_segment_ids=None, kv_segment_ids=None,
               alibi_slopes=None, dropout_rate: float = 0.0, dropout_seed=None,
               broadcast_dropout: bool = False, mask_fn=None, score_fn=None):
   """q [B, T, Hq, D], k/v [B, S, Hkv, D] (bf16/f16), lengths int32 [B] or None.
-  `fwd_cfg` overrides the forward tiles (benchmarks compare variants with it).
+  `fwd_cfg`, `dq_cfg`, `dkv_cfg` override the table's tiles of the forward, dQ and dK/dV kernels
+  (benchmarks/tune.py compares variants with them).
 
   Score modifiers (see `mods`), applied in the kernels:
     logits_soft_cap: static float: logits become cap * tanh(logit / cap).
@@ -95,7 +102,7 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
                                              kv_segment_ids, alibi_slopes, dropout_rate,
                                              dropout_seed, broadcast_dropout, mask_fn=mask_fn,
                                              score_fn=score_fn)
-  static = _static(q.shape[-1], scale, spec, interpret, fwd_cfg, mods)
+  static = _static(q.shape[-1], scale, spec, interpret, fwd_cfg, dq_cfg, dkv_cfg, mods)
   position_free_mods = mods == mods_lib.KernelMods(soft_cap=mods.soft_cap)
   if gqa_pack.should_pack(q.shape, k.shape[2], spec, k.shape[1], position_free_mods,
                           _WGS * static.fwd_cfg.block_q):
@@ -108,18 +115,21 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
             interpret: bool = False, fwd_cfg: config_lib.KernelConfig | None = None):
   """The forward kernel alone (not differentiable), on one device's arrays. Arguments and
   results as `attention`."""
-  return _forward_pass(_static(q.shape[-1], scale, spec, interpret, fwd_cfg), q, k, v, q_lengths,
-                       kv_lengths)
+  return _forward_pass(_static(q.shape[-1], scale, spec, interpret, fwd_cfg=fwd_cfg), q, k, v,
+                       q_lengths, kv_lengths)
 
 
 def backward(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
-             spec: mask_lib.MaskSpec, interpret: bool = False):
+             spec: mask_lib.MaskSpec, interpret: bool = False,
+             dq_cfg: config_lib.KernelConfig | None = None,
+             dkv_cfg: config_lib.KernelConfig | None = None):
   """The dQ and dK/dV kernels alone (not differentiable), on one device's arrays, from the
   caller's lse and delta [B, Hq, T] float32: lse of each query row's whole softmax (which may span
   keys outside `k`; +inf marks rows that see no key), delta = `numerics.delta(d_out, out)` of the
-  whole output. Returns (dq [B, T, Hq, D], dk, dv [B, S, Hkv, D]) in the input dtype."""
-  return _backward_pass(_static(q.shape[-1], scale, spec, interpret), q, k, v, d_out, lse, delta,
-                        q_lengths, kv_lengths)
+  whole output. `dq_cfg`, `dkv_cfg` as in `attention`. Returns (dq [B, T, Hq, D],
+  dk, dv [B, S, Hkv, D]) in the input dtype."""
+  static = _static(q.shape[-1], scale, spec, interpret, dq_cfg=dq_cfg, dkv_cfg=dkv_cfg)
+  return _backward_pass(static, q, k, v, d_out, lse, delta, q_lengths, kv_lengths)
 
 
 def _visibility(static: _Static, cfg: config_lib.KernelConfig, q_lengths, kv_lengths,

@@ -1,0 +1,455 @@
+"""Times the Mosaic GPU kernels' config variants against the table's defaults, in one process.
+
+  python -m benchmarks.tune --shapes d128_anchors --variants all --out $OUT/tune.jsonl
+  python -m benchmarks.tune --list                # the variants and what they change
+
+A variant (VARIANTS) changes some fields of the forward, dQ and dK/dV configs of
+`pallas_attn.mosaic_gpu.config.DEFAULTS` at the shape's head_dim (the others stay the table's).
+For each shape: every variant's calls (fwd, and fwd_bwd through jax.vjp) compile in threads
+(before any is timed: nothing compiles while a call is timed); then the default runs on fresh random inputs,
+and each variant, with the allocator poisoned with NaN before its first call, must match the
+default's outputs on the same inputs (max |variant - default| / max |default| <= --max-rel-err,
+no NaN) before it is timed (`timing.time_compiled`: warm-up, K calls enqueued, one sync, median
+of the repeats). A variant that does not fit the shared memory, matches nothing new (the same
+kernels as the default), fails or is wrong gets a row saying so and is not timed. Past --budget-s
+the rest is recorded as skipped. The table printed at the end has one line per variant, TFLOP/s
+and the ratio to the default per shape and pass; the winners go into config.DEFAULTS.
+
+--ptxas records each newly compiled kernel's registers and spills (ptxas -v, through Mosaic GPU's
+MOSAIC_GPU_DUMP_PTXAS, read from the process's stdout), compiling one call at a time.
+On the CPU the kernels run in the interpreter (a smoke test: tiny shapes, one timed call).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import pathlib
+import re
+import sys
+import tempfile
+import time
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import impls as impls_lib
+from benchmarks import memory
+from benchmarks import report
+from benchmarks import shapes as shapes_lib
+from benchmarks import sweep
+from benchmarks import timing
+from benchmarks.shapes import Shape
+import pallas_attn
+from pallas_attn.mosaic_gpu import bwd
+from pallas_attn.mosaic_gpu import common
+from pallas_attn.mosaic_gpu import config as config_lib
+from pallas_attn.mosaic_gpu import fwd
+from pallas_attn.mosaic_gpu import ops
+
+KERNELS = config_lib.PASSES  # ("fwd", "dq", "dkv"): the three kernels a variant may change
+TILES_FIRST = ("tiles", "heads", "batch")
+TILES_LAST = ("heads", "batch", "tiles")
+
+# name -> {kernel: field changes to the table's config at the shape's head_dim}. "default" first.
+# Ordered as issue #4 lists them (causal balance, forward tiles, forward overlap, dQ, dK/dV).
+VARIANTS: dict[str, dict[str, dict]] = {
+    "default": {},
+    # a. Causal load balance and launch order.
+    "reverse_q": {"fwd": dict(reverse_q_tiles=True), "dq": dict(reverse_q_tiles=True)},
+    "tiles_first": {k: dict(grid_order=TILES_FIRST) for k in KERNELS},
+    "tiles_last": {k: dict(grid_order=TILES_LAST) for k in KERNELS},
+    "reverse_q_tiles_last": {"fwd": dict(reverse_q_tiles=True, grid_order=TILES_LAST),
+                             "dq": dict(reverse_q_tiles=True, grid_order=TILES_LAST),
+                             "dkv": dict(grid_order=TILES_LAST)},
+    # b. Forward tiles.
+    "fwd_kv64": {"fwd": dict(block_kv=64)},
+    "fwd_kv64_3st": {"fwd": dict(block_kv=64, stages=3)},
+    "fwd_kv128": {"fwd": dict(block_kv=128)},
+    "fwd_kv128_1st": {"fwd": dict(block_kv=128, stages=1)},
+    "fwd_kv128_3st": {"fwd": dict(block_kv=128, stages=3)},
+    "fwd_kv192": {"fwd": dict(block_kv=192)},
+    "fwd_kv192_1st": {"fwd": dict(block_kv=192, stages=1)},
+    "fwd_kv256": {"fwd": dict(block_kv=256)},
+    "fwd_kv256_1st": {"fwd": dict(block_kv=256, stages=1)},
+    "fwd_no_ping_pong": {"fwd": dict(ping_pong=False)},
+    # e. FA3's intra-warpgroup overlap (the next tile's softmax under this tile's P V).
+    "fwd_overlap_3st": {"fwd": dict(overlap_qk=True, stages=3)},
+    "fwd_overlap_kv64_3st": {"fwd": dict(overlap_qk=True, block_kv=64, stages=3)},
+    "fwd_overlap_no_pp": {"fwd": dict(overlap_qk=True, ping_pong=False)},
+    "fwd_overlap_kv64_no_pp": {"fwd": dict(overlap_qk=True, block_kv=64, ping_pong=False)},
+    # c. dQ tiles.
+    "dq_kv128": {"dq": dict(block_kv=128)},
+    "dq_kv128_1st": {"dq": dict(block_kv=128, stages=1)},
+    "dq_3st": {"dq": dict(stages=3)},
+    "dq_2st": {"dq": dict(stages=2)},
+    # d. dK/dV tiles.
+    "dkv_q128": {"dkv": dict(block_q=128)},
+    "dkv_q128_1st": {"dkv": dict(block_q=128, stages=1)},
+    "dkv_3st": {"dkv": dict(stages=3)},
+    "dkv_2st": {"dkv": dict(stages=2)},
+}
+
+_DEFAULT = "default"
+
+
+def variant_configs(name: str, head_dim: int) -> dict[str, config_lib.KernelConfig]:
+  """{kernel: KernelConfig} of variant `name` at `head_dim` (ValueError: an invalid config)."""
+  return {k: dataclasses.replace(config_lib.kernel_config(head_dim, k), **VARIANTS[name].get(k, {}))
+          for k in KERNELS}
+
+
+_SCRATCH = {"fwd": fwd.scratch_types, "dq": bwd.dq_scratch_types, "dkv": bwd.dkv_scratch_types}
+
+
+def why_not(name: str, shape: Shape, dtype) -> str | None:
+  """Why variant `name` is not measured at `shape` (None: it is): an invalid or oversized config,
+  or the same configs as the default's."""
+  try:
+    cfgs = variant_configs(name, shape.head_dim)
+  except ValueError as e:
+    return f"invalid: {e}"
+  for kernel, cfg in cfgs.items():
+    # The forward may drop Pallas's reduction scratch to fit (common.compiler_params_within_smem).
+    need = common.smem_bytes(_SCRATCH[kernel](cfg, shape.head_dim, dtype, interpret=False))
+    if need > config_lib.SMEM_BYTES:
+      return f"does not fit: {kernel} needs {need / 1024:.1f} KiB of shared memory (227 KiB)"
+  if name != _DEFAULT and cfgs == variant_configs(_DEFAULT, shape.head_dim):
+    return "same configs as the default"
+  return None
+
+
+def changes_pass(name: str, shape: Shape, pass_: str) -> bool:
+  """Whether the variant runs other kernels than the default in `pass_` ("fwd": the forward
+  kernel only; "fwd_bwd": all three)."""
+  cfgs, base = variant_configs(name, shape.head_dim), variant_configs(_DEFAULT, shape.head_dim)
+  kernels = ("fwd",) if pass_ == "fwd" else KERNELS
+  return name == _DEFAULT or any(cfgs[k] != base[k] for k in kernels)
+
+
+def attend_fn(name: str, head_dim: int, interpret: bool):
+  """`attend(q, k, v, *, is_causal)` running variant `name` (what impls.timed_fn wraps)."""
+  cfgs = variant_configs(name, head_dim)
+
+  def attend(q, k, v, *, is_causal, window=None, segment_len=None):
+    if window is not None or segment_len is not None:
+      raise NotImplementedError("benchmarks.tune times unmasked and causal shapes only")
+    out, _ = ops.attention(q, k, v, None, None, scale=1.0 / math.sqrt(head_dim),
+                           spec=pallas_attn.MaskSpec(is_causal=is_causal), interpret=interpret,
+                           fwd_cfg=cfgs["fwd"], dq_cfg=cfgs["dq"], dkv_cfg=cfgs["dkv"])
+    return out
+  return attend
+
+
+# ---- ptxas -v through Mosaic GPU ------------------------------------------------------------
+
+_PTXAS_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+_PTXAS_REGISTERS = re.compile(r"Used (\d+) registers")
+
+
+def parse_ptxas(text: str) -> list[dict]:
+  """[{"entry", "registers", "spill_stores", "spill_loads"}] per kernel in `ptxas -v` output."""
+  kernels = []
+  for line in text.splitlines():
+    if m := _PTXAS_ENTRY.search(line):
+      kernels.append({"entry": m.group(1), "registers": None, "spill_stores": None,
+                      "spill_loads": None})
+    elif kernels and (m := _PTXAS_SPILLS.search(line)):
+      kernels[-1]["spill_stores"], kernels[-1]["spill_loads"] = int(m.group(1)), int(m.group(2))
+    elif kernels and (m := _PTXAS_REGISTERS.search(line)):
+      kernels[-1]["registers"] = int(m.group(1))
+  return kernels
+
+
+@contextlib.contextmanager
+def captured_stdout(sink: list):
+  """Appends to `sink` what anything in the process (C++ included) writes to file descriptor 1
+  inside the block."""
+  sys.stdout.flush()
+  saved = os.dup(1)
+  with tempfile.TemporaryFile(mode="w+b") as tmp:
+    os.dup2(tmp.fileno(), 1)
+    try:
+      yield
+    finally:
+      sys.stdout.flush()
+      os.dup2(saved, 1)
+      os.close(saved)
+      tmp.seek(0)
+      sink.append(tmp.read().decode(errors="replace"))
+
+
+# ---- the measurement loop -------------------------------------------------------------------
+
+
+def _poison_allocator(num_bytes: int):
+  """Fill and free a NaN buffer so that the next allocations likely reuse NaN memory: a tile a
+  variant fails to write shows up as NaN instead of the default's leftover values."""
+  poison = jnp.full((num_bytes // 4,), jnp.nan, jnp.float32)
+  poison.block_until_ready()
+  poison.delete()
+
+
+@dataclasses.dataclass(frozen=True)
+class TuneConfig:
+  variants: tuple[str, ...]
+  passes: tuple[str, ...] = timing.PASSES
+  dtype: str = "bf16"
+  timing: timing.TimingConfig = timing.TimingConfig()
+  max_rel_err: float = 2e-2
+  compile_workers: int = 1
+  budget_s: float | None = None
+  ptxas: bool = False
+  seed: int = 0
+
+  @property
+  def jnp_dtype(self):
+    return sweep.DTYPES[self.dtype]
+
+
+def _row(ctx: dict, name: str, shape: Shape, pass_: str, cfg: TuneConfig) -> dict:
+  try:
+    configs = {k: dataclasses.asdict(c) for k, c in variant_configs(name, shape.head_dim).items()}
+  except ValueError:
+    configs = None
+  plain = lambda x: json.loads(json.dumps(x))  # tuples as lists: the row reads back equal
+  return {"kind": "tune", "variant": name, "changes": plain(VARIANTS[name]),
+          "configs": plain(configs),
+          **shape.fields(), "dtype": cfg.dtype, "pass": pass_, "ms": None, "tflops": None,
+          "ratio_to_default": None, "max_rel_err_vs_default": None, "compile_s": None,
+          "calls_per_repeat": None, "ptxas": None, "error": None, "error_kind": None,
+          "flops": timing.attention_flops(shape, pass_), **ctx}
+
+
+def _compile_jobs(shape: Shape, names, cfg: TuneConfig, interpret: bool) -> dict:
+  """{(variant, pass): thunk -> ((compiled, seconds), ptxas text or None)}."""
+  def job(name, pass_):
+    impl = impls_lib.Impl(name, attend_fn(name, shape.head_dim, interpret), interpret=interpret)
+    if not cfg.ptxas:
+      return sweep.compile_call(impl, shape, pass_, cfg.jnp_dtype), None
+    out: list[str] = []
+    with captured_stdout(out):
+      result = sweep.compile_call(impl, shape, pass_, cfg.jnp_dtype)
+    return result, out[0]
+  return {(name, p): (lambda name=name, p=p: job(name, p))
+          for name in names for p in cfg.passes if changes_pass(name, shape, p)}
+
+
+def _skip(row: dict, kind: str, why: str) -> dict:
+  row["error_kind"], row["error"] = kind, why
+  return row
+
+
+def run(shapes: list[Shape], cfg: TuneConfig, emit, interpret: bool, ctx: dict | None = None,
+        log=lambda text: None):
+  """Measures every (shape, variant, pass), calling `emit(row)` for each row when known."""
+  ctx = ctx or sweep.run_context()
+  start = time.perf_counter()
+  over_budget = lambda: cfg.budget_s is not None and time.perf_counter() - start > cfg.budget_s
+  dtype = cfg.jnp_dtype
+  order = (_DEFAULT, *[n for n in cfg.variants if n != _DEFAULT])  # the default is the baseline
+  plans = []  # per shape: (variants measured, {variant: why not measured, or None})
+  for shape in shapes:
+    why = {name: why_not(name, shape, dtype) for name in order}
+    plans.append(([n for n in order if why[n] is None], why))
+  # --ptxas reads the process's stdout, one compilation at a time: no threads. Nothing compiles
+  # while a call is timed (see benchmarks/sweep.py: background compiles starve the timing thread).
+  workers = 1 if cfg.ptxas else cfg.compile_workers
+  for index, (shape, (names, why)) in enumerate(zip(shapes, plans)):
+    compiled = None
+    if not over_budget():
+      log(f"compiling {len(names)} variants at {shape.name}")
+      compiled = sweep.compile_all(_compile_jobs(shape, names, cfg, interpret), workers)
+    _time_shape(shape, index, order, why, compiled, cfg, emit, ctx, over_budget, log)
+    del compiled
+
+
+def _time_shape(shape, index, order, why, compiled, cfg: TuneConfig, emit, ctx, over_budget, log):
+  """Checks and times one shape's variants (the default first); `compiled` None: skipped."""
+  inputs = None if compiled is None else impls_lib.random_inputs(shape, cfg.jnp_dtype,
+                                                                 cfg.seed + index)
+  default_out, default_tflops = {}, {}
+  poison_bytes = max(256 << 20, 4 * sum(x.size * x.dtype.itemsize for x in inputs or ()))
+  for name in order:
+    for p in cfg.passes:
+      row = _row(ctx, name, shape, p, cfg)
+      if why[name] is not None:
+        kind = "same" if why[name].startswith("same") else "unsupported"
+        emit(_skip(row, kind, why[name]))
+        continue
+      if not changes_pass(name, shape, p):
+        emit(_skip(row, "same", f"runs the default's kernels in {p}"))
+        continue
+      if compiled is None or over_budget():
+        emit(_skip(row, "skipped", "skipped: --budget-s exhausted"))
+        continue
+      log(f"{name} {p} {shape.name}")
+      emit(_measure(row, name, p, compiled[(name, p)], inputs, default_out, default_tflops,
+                    poison_bytes, cfg))
+
+
+def _measure(row, name, pass_, compiled, inputs, default_out, default_tflops,
+             poison_bytes, cfg: TuneConfig) -> dict:
+  (result, ptxas_text), err = compiled
+  if err is not None:
+    row["error_kind"], row["error"] = memory.describe_error(err)
+    return row
+  executable, row["compile_s"] = result
+  args = inputs[:3] if pass_ == "fwd" else inputs
+  captured: list[str] = []
+  try:
+    with captured_stdout(captured) if cfg.ptxas else contextlib.nullcontext():
+      _poison_allocator(poison_bytes)
+      first = jax.block_until_ready(executable(*args))  # the kernels may build on first call
+    if name == _DEFAULT:
+      default_out[pass_] = first
+    elif pass_ in default_out:
+      rel = sweep.max_rel_err(first, default_out[pass_])
+      row["max_rel_err_vs_default"] = rel
+      if rel is None or rel > cfg.max_rel_err:
+        what = "non-finite values" if rel is None else f"rel err {rel:.2e} vs the default"
+        row["error_kind"], row["error"] = "wrong", f"wrong: {what} (not timed)"
+        return row
+    del first
+    t, _ = timing.time_compiled(executable, args, cfg.timing)
+  except Exception as e:  # pylint: disable=broad-except
+    row["error_kind"], row["error"] = memory.describe_error(e)
+    return row
+  finally:
+    if cfg.ptxas:
+      row["ptxas"] = parse_ptxas((ptxas_text or "") + "".join(captured))
+  row["ms"], row["calls_per_repeat"] = t.ms, t.calls
+  row["tflops"] = row["flops"] / t.ms / 1e9
+  if name == _DEFAULT:
+    default_tflops[pass_] = row["tflops"]
+  if default_tflops.get(pass_):
+    row["ratio_to_default"] = row["tflops"] / default_tflops[pass_]
+  return row
+
+
+# ---- the table ------------------------------------------------------------------------------
+
+_SHORT = {"same": "=", "unsupported": "n/a", "skipped": "skip", "wrong": "WRONG",
+          "oom": "oom", "error": "ERR"}
+
+
+def table(rows: list[dict]) -> str:
+  """One line per variant; per shape and pass "TFLOP/s (ratio to the default)", or why not."""
+  rows = [r for r in rows if r.get("kind") == "tune"]
+  columns = list(dict.fromkeys((report.shape_label(r), r["pass"]) for r in rows))
+  variants = list(dict.fromkeys(r["variant"] for r in rows))
+  cell = {(r["variant"], report.shape_label(r), r["pass"]): r for r in rows}
+
+  def text(r):
+    if r is None:
+      return ""
+    if r["error_kind"]:
+      return _SHORT.get(r["error_kind"], "ERR")
+    ratio = "" if r["ratio_to_default"] is None else f" ({r['ratio_to_default']:.2f})"
+    return f"{r['tflops']:.3g}{ratio}"
+
+  header = ["variant"] + [f"{label} {p}" for label, p in columns]
+  lines = [[v] + [text(cell.get((v, label, p))) for label, p in columns] for v in variants]
+  legend = ("TFLOP/s (ratio to default); '=' same kernels as the default, 'n/a' does not fit or "
+            "invalid, 'WRONG' differs from the default, 'skip' over budget, 'ERR' failed")
+  return report._table(header, lines) + "\n" + legend  # pylint: disable=protected-access
+
+
+def ptxas_table(rows: list[dict]) -> str:
+  """Registers and spills per kernel compiled (--ptxas), per variant and head_dim."""
+  lines = []
+  for r in rows:
+    for k in r.get("ptxas") or ():
+      lines.append([r["variant"], f"d{r['head_dim']}", r["pass"], k["entry"][:40],
+                    str(k["registers"]), str(k["spill_stores"]), str(k["spill_loads"])])
+  header = ["variant", "d", "pass", "kernel", "registers", "spill stores", "spill loads"]
+  return report._table(header, lines) if lines else "(no ptxas output captured)"  # pylint: disable=protected-access
+
+
+# ---- command line ---------------------------------------------------------------------------
+
+
+def parse_args(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+  p.add_argument("--shapes", default=None,
+                 help=f"comma-separated presets from {sorted(shapes_lib.PRESETS)} (default: "
+                      "d128_anchors on a GPU, tune_smoke on the CPU)")
+  p.add_argument("--variants", default="all",
+                 help="comma-separated names from VARIANTS, or 'all' (the default always runs)")
+  p.add_argument("--passes", default="fwd,fwd_bwd")
+  p.add_argument("--dtype", default="bf16", choices=["bf16", "f16"])
+  p.add_argument("--out", default=None, help="JSON lines file (one row per measurement)")
+  p.add_argument("--budget-s", type=float, default=420.0,
+                 help="wall seconds; past it the rest is recorded as skipped (0: no limit)")
+  p.add_argument("--compile-workers", type=int, default=max(1, (os.cpu_count() or 2) - 2))
+  p.add_argument("--warmup", type=int, default=2)
+  p.add_argument("--repeats", type=int, default=7)
+  p.add_argument("--max-calls", type=int, default=20)
+  p.add_argument("--max-rel-err", type=float, default=2e-2,
+                 help="largest max|variant - default| / max|default| accepted")
+  p.add_argument("--ptxas", action="store_true",
+                 help="record registers and spills per kernel (MOSAIC_GPU_DUMP_PTXAS; compiles "
+                      "one call at a time)")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--list", action="store_true", help="print the variants and exit")
+  p.add_argument("--quiet", action="store_true", help="no progress lines, no table")
+  return p.parse_args(argv)
+
+
+def main(argv=None) -> list[dict]:
+  args = parse_args(argv)
+  if args.list:
+    for name, changes in VARIANTS.items():
+      print(f"{name:24s} {changes}")
+    return []
+  if args.ptxas:
+    os.environ["MOSAIC_GPU_DUMP_PTXAS"] = "1"  # read by Mosaic GPU at each compilation
+  on_cpu = sweep.platform() == "cpu"
+  names = list(VARIANTS) if args.variants == "all" else [v for v in args.variants.split(",") if v]
+  unknown = [n for n in names if n not in VARIANTS]
+  if unknown:
+    raise SystemExit(f"unknown variants {unknown}; choose from {list(VARIANTS)}")
+  # The interpreter: one timed call (it is a smoke test of the loop, not a measurement).
+  timing_cfg = (timing.TimingConfig(warmup=1, repeats=0) if on_cpu else
+                timing.TimingConfig(warmup=args.warmup, repeats=args.repeats,
+                                    max_calls=args.max_calls))
+  cfg = TuneConfig(variants=tuple(dict.fromkeys([_DEFAULT] + names)),
+                   passes=tuple(p for p in args.passes.split(",") if p), dtype=args.dtype,
+                   timing=timing_cfg, max_rel_err=args.max_rel_err,
+                   compile_workers=args.compile_workers, budget_s=args.budget_s or None,
+                   ptxas=args.ptxas, seed=args.seed)
+  shapes = shapes_lib.preset(args.shapes or ("tune_smoke" if on_cpu else "d128_anchors"))
+  rows: list[dict] = []
+  out = None if args.out is None else open(pathlib.Path(args.out), "w")  # pylint: disable=consider-using-with
+
+  def emit(row):
+    rows.append(row)
+    if out is not None:
+      out.write(json.dumps(row) + "\n")
+      out.flush()
+
+  log = (lambda text: None) if args.quiet else (lambda text: print(text, file=sys.stderr,
+                                                                   flush=True))
+  try:
+    run(shapes, cfg, emit, interpret=on_cpu, log=log)
+  finally:
+    if out is not None:
+      out.close()
+  if not args.quiet:
+    print(table(rows))
+    if args.ptxas:
+      print(ptxas_table(rows))
+    skipped = sum(r["error_kind"] == "skipped" for r in rows)
+    if skipped:
+      print(f"{skipped} measurements skipped: --budget-s {args.budget_s:g} exhausted")
+  return rows
+
+
+if __name__ == "__main__":
+  main()
