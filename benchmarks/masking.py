@@ -5,8 +5,10 @@ Both numbers are exact and computed on the host from the shape alone:
   query sees one contiguous run of keys: the window, cut to its document).
 - `skipped_block_fraction`: the tiles of a [seq_q / block_q, seq_kv / block_kv] grid that a kernel
   never computes / all tiles. Tiles outside `mask.kv_block_range` (causal, window) are skipped by
-  every pallas_attn path; tiles whose documents cannot meet (`mask.segment_blocks_meet`) only where
-  the path skips by segment (blocked_jax; not the Mosaic GPU kernels yet).
+  every pallas_attn path; tiles whose documents cannot meet (`mask.segment_blocks_meet`) by both
+  pallas_attn paths (blocked_jax in its loops; the Mosaic GPU kernels through their block tables,
+  `mosaic_gpu.block_table`, per warpgroup tile of block_q rows; tests/test_mosaic_gpu_skip.py
+  checks that the two counts agree).
 The FLOPs a row is credited with stay the dense causal count (timing.attention_flops), so the
 skipped work shows up as a higher TFLOP/s; these fractions say how much of it is skipping.
 """
@@ -77,7 +79,7 @@ def implementation_tiles(name: str, shape: Shape) -> tuple[int, int, bool] | Non
   other implementations (their tiling is not ours to know)."""
   if name == "pallas_attn:mosaic_gpu":
     cfg = mosaic_config.forward_config(shape.head_dim)
-    return cfg.block_q, cfg.block_kv, False
+    return cfg.block_q, cfg.block_kv, True
   if name == "pallas_attn:blocked_jax":
     return (*blocked_jax.default_blocks(shape.seq_q, shape.seq_kv), True)
   return None

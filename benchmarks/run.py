@@ -74,12 +74,6 @@ def parse_args(argv=None):
                  help="threads compiling a shape's calls before they are timed; more is faster "
                       "on a many-core host, but XLA's GPU autotuner then times its candidates "
                       "concurrently and may pick worse kernels for the xla path")
-  p.add_argument("--compile-ahead", type=int, default=None,
-                 help="shapes whose calls compile in background threads (on the host) while the "
-                      "current shape is timed; 0 turns it off. Calls whose compilation autotunes "
-                      "on the device (jax's xla path, the portable paths, the f32 reference) are "
-                      "never compiled ahead (default: 1 on a GPU with --compile-workers > 1, "
-                      "else 0)")
   p.add_argument("--time-budget", type=float, default=None,
                  help="seconds; once spent, the remaining measurements are recorded as skipped "
                       "(default 420 on a GPU, so one command ends within 8 minutes; 0: no limit)")
@@ -241,12 +235,10 @@ def main(argv=None) -> list[dict]:
       max_calls=args.max_calls or (20 if on_gpu else 5),
       target_repeat_s=(args.target_repeat_ms or (20 if args.quick else 25)) / 1e3)
   budget = args.time_budget if args.time_budget is not None else (420 if on_gpu else 0)
-  compile_ahead = (args.compile_ahead if args.compile_ahead is not None
-                   else 1 if on_gpu and args.compile_workers > 1 else 0)
   cfg = sweep.SweepConfig(
       dtype=args.dtype, passes=passes, timing=timing_cfg,
       check_max_scores=int(args.check_max_scores or (2 ** 29 if on_gpu else 2 ** 30)),
-      compile_workers=args.compile_workers or 1, compile_ahead=compile_ahead, seed=args.seed,
+      compile_workers=args.compile_workers or 1, seed=args.seed,
       time_budget_s=budget or None, all_pairs=args.all_pairs)
 
   out_path = pathlib.Path(args.out) if args.out else default_out(ctx["device"], plat)

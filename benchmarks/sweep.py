@@ -2,9 +2,9 @@
 
 For each shape: compile every (implementation, pass) it is measured with (in parallel threads when
 asked; compiling needs no data), draw fresh random inputs, compute the float32 reference once, then
-time the calls one after another, each checked against the reference. With compile-ahead, the next
-shapes' calls compile on the host in background threads while a shape is timed (see CompileAhead;
-jobs that would autotune on the device are not among them).
+time the calls one after another, each checked against the reference. Nothing compiles while a
+call is timed: compiling in background threads (tried on the H200, session 3) starved the timing
+thread of the GIL, so the device idled between enqueued calls and rates came out 10-100x low.
 Anything that fails (an unsupported shape, a missing package, out of memory) becomes a row whose
 `error` says why, and the sweep goes on.
 """
@@ -46,7 +46,6 @@ class SweepConfig:
   check_max_scores: int = 2 ** 30
   compile_workers: int = 1
   # Shapes whose calls compile in background threads while the current shape is timed (0: off).
-  compile_ahead: int = 0
   seed: int = 0
   time_budget_s: float | None = None  # past it, remaining measurements are recorded as skipped
   all_pairs: bool = False  # measure every implementation at every shape (see impls.wanted)
@@ -119,7 +118,7 @@ def _attempt(thunk):
     return None, e
 
 
-def _compile_all(jobs: dict, workers: int) -> dict:
+def compile_all(jobs: dict, workers: int) -> dict:
   """{key: thunk} -> {key: (result, None) or (None, exception)}, in `workers` threads. A job that
   fails in a thread is retried on the main thread, so threading can never be the cause."""
   if workers <= 1 or len(jobs) <= 1:
@@ -198,13 +197,6 @@ def plan(shapes: Iterable[Shape], impls: list[impls_lib.Impl], cfg: SweepConfig,
   return out
 
 
-# Jobs whose compilation may run kernels on the device: XLA's GPU autotuner times candidate
-# kernels for the gemm fusions of the dense and portable paths (and the float32 reference). These
-# are never compiled ahead, so no autotuning kernel shares the device with a timed call.
-AUTOTUNED_ON_DEVICE = frozenset({"jax_xla", "pallas_attn:reference", "pallas_attn:blocked_jax",
-                                 "reference_f32"})
-
-
 def _shape_jobs(shape: Shape, tasks, cfg: SweepConfig, check: bool) -> dict:
   """{(name, pass): thunk} compiling what one shape is measured with (and its f32 reference)."""
   dtype = cfg.jnp_dtype
@@ -219,80 +211,31 @@ def _shape_jobs(shape: Shape, tasks, cfg: SweepConfig, check: bool) -> dict:
   return jobs
 
 
-class CompileAhead:
-  """Compiles the calls of the next `ahead` shapes in a thread pool while the current one is
-  timed (the sweep is compile-bound on a GPU). `take(index, jobs)` returns a shape's results in
-  `_compile_all`'s form: what was compiled ahead is waited for, the rest (the jobs that autotune on
-  the device, or everything when `ahead` is 0) is compiled then, before any of its calls is timed.
-  A job that failed in a thread is retried on the calling thread, as in `_compile_all`."""
-
-  def __init__(self, workers: int, ahead: int):
-    self.workers, self.ahead = max(1, workers), max(0, ahead)
-    self.pool = None
-    if self.ahead:
-      self.pool = concurrent.futures.ThreadPoolExecutor(self.workers,
-                                                        thread_name_prefix="compile-ahead")
-    self.pending: dict[int, dict] = {}  # shape index -> {key: future}
-
-  def prefetch(self, index: int, jobs: dict):
-    if self.pool is None or index in self.pending:
-      return
-    self.pending[index] = {key: self.pool.submit(_attempt, thunk) for key, thunk in jobs.items()
-                           if key[0] not in AUTOTUNED_ON_DEVICE}
-
-  def take(self, index: int, jobs: dict) -> dict:
-    futures = self.pending.pop(index, {})
-    ahead = {key: f.result() for key, f in futures.items() if key in jobs}
-    results = _compile_all({k: t for k, t in jobs.items() if k not in ahead}, self.workers)
-    for key, (res, err) in ahead.items():
-      results[key] = _attempt(jobs[key]) if err is not None else (res, err)
-    return {key: results[key] for key in jobs}
-
-  def drop(self, index: int):
-    """Forgets a shape's compiles (the time budget ran out before it): queued ones never start."""
-    for future in self.pending.pop(index, {}).values():
-      future.cancel()
-
-  def close(self):
-    if self.pool is not None:
-      self.pool.shutdown(wait=True, cancel_futures=True)
-
-
 def run_sweep(shapes: Iterable[Shape], impls: list[impls_lib.Impl], cfg: SweepConfig,
               emit: Callable[[dict], None], progress=NullProgress(),
               ceiling_tflops: float | None = None, ctx: dict | None = None,
               done: frozenset = frozenset()):
   """Measures the plan, calling `emit(row)` for each row as soon as it is known.
 
-  With `cfg.compile_ahead` > 0 the next shapes' calls compile in background threads while a
-  shape is timed; every call is compiled before its own shape's first timing starts, and the
-  rows come out in the same order as without it."""
+  Each shape's calls are compiled (in `cfg.compile_workers` threads), then timed one after
+  another; rows come out in plan order."""
   ctx = ctx or run_context()
   plat = platform()
-  dtype = cfg.jnp_dtype
   start = time.perf_counter()
   planned = plan(shapes, impls, cfg, plat, done)
   checked = [shape.score_elements <= cfg.check_max_scores for shape, _ in planned]
-  pipeline = CompileAhead(cfg.compile_workers, cfg.compile_ahead)
   over_budget = lambda: (cfg.time_budget_s is not None
                          and time.perf_counter() - start > cfg.time_budget_s)
-  try:
-    for index, (shape, tasks) in enumerate(planned):
-      skipping = over_budget()
-      if skipping:
-        pipeline.drop(index)
-        compiled = {}
-      else:
-        jobs = _shape_jobs(shape, tasks, cfg, checked[index])
-        progress.note(f"compiling {len(jobs)} calls at {shape.name}")
-        compiled = pipeline.take(index, jobs)
-        for ahead in range(index + 1, min(index + 1 + cfg.compile_ahead, len(planned))):
-          pipeline.prefetch(ahead, _shape_jobs(*planned[ahead], cfg, checked[ahead]))
-      _time_shape(shape, tasks, index, cfg, compiled, None if skipping else checked[index],
-                  emit, progress, ceiling_tflops, ctx, over_budget)
-      del compiled
-  finally:
-    pipeline.close()
+  for index, (shape, tasks) in enumerate(planned):
+    skipping = over_budget()
+    compiled = {}
+    if not skipping:
+      jobs = _shape_jobs(shape, tasks, cfg, checked[index])
+      progress.note(f"compiling {len(jobs)} calls at {shape.name}")
+      compiled = compile_all(jobs, cfg.compile_workers)
+    _time_shape(shape, tasks, index, cfg, compiled, None if skipping else checked[index],
+                emit, progress, ceiling_tflops, ctx, over_budget)
+    del compiled
 
 
 def _reference_outputs(compiled: dict, inputs, passes) -> dict:

@@ -5,8 +5,8 @@
 
 A variant (VARIANTS) changes some fields of the forward, dQ and dK/dV configs of
 `pallas_attn.mosaic_gpu.config.DEFAULTS` at the shape's head_dim (the others stay the table's).
-For each shape: every variant's calls (fwd, and fwd_bwd through jax.vjp) compile in threads while
-the previous shape is timed (`sweep.CompileAhead`); then the default runs on fresh random inputs,
+For each shape: every variant's calls (fwd, and fwd_bwd through jax.vjp) compile in threads
+(before any is timed: nothing compiles while a call is timed); then the default runs on fresh random inputs,
 and each variant, with the allocator poisoned with NaN before its first call, must match the
 default's outputs on the same inputs (max |variant - default| / max |default| <= --max-rel-err,
 no NaN) before it is timed (`timing.time_compiled`: warm-up, K calls enqueued, one sync, median
@@ -258,25 +258,16 @@ def run(shapes: list[Shape], cfg: TuneConfig, emit, interpret: bool, ctx: dict |
   for shape in shapes:
     why = {name: why_not(name, shape, dtype) for name in order}
     plans.append(([n for n in order if why[n] is None], why))
-  # --ptxas reads the process's stdout, one compilation at a time: no threads.
-  workers, ahead = (1, 0) if cfg.ptxas else (cfg.compile_workers, 1 if cfg.compile_workers > 1
-                                            else 0)
-  pipeline = sweep.CompileAhead(workers, ahead)
-  try:
-    for index, (shape, (names, why)) in enumerate(zip(shapes, plans)):
-      if over_budget():
-        pipeline.drop(index)
-        compiled = None
-      else:
-        log(f"compiling {len(names)} variants at {shape.name}")
-        compiled = pipeline.take(index, _compile_jobs(shape, names, cfg, interpret))
-        if index + 1 < len(shapes):
-          nxt = shapes[index + 1]
-          pipeline.prefetch(index + 1, _compile_jobs(nxt, plans[index + 1][0], cfg, interpret))
-      _time_shape(shape, index, order, why, compiled, cfg, emit, ctx, over_budget, log)
-      del compiled
-  finally:
-    pipeline.close()
+  # --ptxas reads the process's stdout, one compilation at a time: no threads. Nothing compiles
+  # while a call is timed (see benchmarks/sweep.py: background compiles starve the timing thread).
+  workers = 1 if cfg.ptxas else cfg.compile_workers
+  for index, (shape, (names, why)) in enumerate(zip(shapes, plans)):
+    compiled = None
+    if not over_budget():
+      log(f"compiling {len(names)} variants at {shape.name}")
+      compiled = sweep.compile_all(_compile_jobs(shape, names, cfg, interpret), workers)
+    _time_shape(shape, index, order, why, compiled, cfg, emit, ctx, over_budget, log)
+    del compiled
 
 
 def _time_shape(shape, index, order, why, compiled, cfg: TuneConfig, emit, ctx, over_budget, log):

@@ -146,6 +146,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       through (step 4). On the blocked path (a custom_vjp) mask_fn and score_fn may close over
       constants and jit arguments, but differentiating with respect to a value they close over
       is an error (JAX's UnexpectedTracerError): pass a learned bias as `bias` instead.
+      The Mosaic GPU kernels trace both functions in, with b and h int32 scalars (global batch
+      index, query head) and q_idx, kv_idx int32 tiles; functions that close over arrays or use
+      primitives the kernels cannot lower are served by the blocked path (see README).
 
   Returns:
     out [batch, q_len, heads_q, head_dim] in the input dtype; with return_residual,
@@ -222,7 +225,9 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       alibi_per_batch=arrays.alibi_slopes is not None and arrays.alibi_slopes.shape[0] > 1,
       has_soft_cap=mods.logits_soft_cap is not None,
       has_dropout=mods.dropout_rate > 0.0, has_mask_fn=mask_fn is not None,
-      has_score_fn=score_fn is not None)
+      has_score_fn=score_fn is not None,
+      element_fns_problem=(None if implementation in ("blocked_jax", "reference")
+                           else dispatch.element_fns_problem(mask_fn, score_fn)))
   impl = dispatch.choose(call, implementation)
   out, lse = impl(query, key, value, arrays, scale=float(scale), spec=spec, mods=mods,
                   q_lengths=q_lengths, kv_lengths=kv_lengths, interpret=interpret)

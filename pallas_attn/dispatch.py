@@ -48,6 +48,10 @@ class AttentionCall:
   has_dropout: bool = False
   has_mask_fn: bool = False
   has_score_fn: bool = False
+  # Why mask_fn / score_fn cannot be traced into the Mosaic GPU kernels (they close over arrays,
+  # or use a primitive the lowering lacks: `element_fns_problem`); None when they can or are
+  # absent.
+  element_fns_problem: str | None = None
 
   def features(self) -> tuple[str, ...]:
     """The optional features this call uses, named as `attention`'s arguments."""
@@ -65,18 +69,28 @@ _ALL_FEATURES = frozenset(("bias", "mask", "segment_ids", "causal_alignment", "a
 # The optional features each implementation serves. The Mosaic GPU kernels take their masking
 # from `mask.py` (block ranges and `tile_mask` -> `mask.visible`), which folds the alignment
 # offset in; segment ids, one ALiBi slope per query head (constants there: differentiating them
-# raises, see `mosaic_gpu.mods.constant_slopes`) and the soft-cap are computed in the kernels
-# (`mosaic_gpu.mods`). Bias, boolean masks and mask_fn/score_fn are not in the kernels yet: the
-# portable path serves them. Dropout is in the kernels (`mosaic_gpu.ops.attention(...,
-# dropout_rate=, dropout_seed=)`, checked in the interpreter and lowered for CUDA) but is not
-# listed here until the compiled kernels are verified on an H200
-# (tests/test_mosaic_gpu_dropout.py's `gpu` tests): until then the portable path serves it.
+# raises, see `mosaic_gpu.mods.constant_slopes`), the soft-cap and dropout (the keep-mask
+# regenerated per tile from the same hash as the portable path; verified on an H200 by
+# tests/test_mosaic_gpu_dropout.py's `gpu` tests) are computed in the kernels (`mosaic_gpu.mods`).
+# mask_fn / score_fn are traced into the kernels when they can be (pure functions of the indices
+# and the score: `AttentionCall.element_fns_problem` says when not, and then only the portable
+# path serves the call). Bias and boolean masks are not in the kernels yet: the portable path
+# serves them.
 SUPPORTED_FEATURES = {
     "mosaic_gpu": frozenset(("causal_alignment", "segment_ids", "alibi_slopes",
-                             "logits_soft_cap")),
+                             "logits_soft_cap", "dropout_rate", "mask_fn", "score_fn")),
     "blocked_jax": _ALL_FEATURES,
     "reference": _ALL_FEATURES,
 }
+
+
+def element_fns_problem(mask_fn, score_fn) -> str | None:
+  """Why mask_fn / score_fn cannot run inside the Mosaic GPU kernels (None: they can, or there
+  are none). Traces them abstractly; cheap, and only done when one is given."""
+  if mask_fn is None and score_fn is None:
+    return None
+  from pallas_attn.mosaic_gpu import mods  # imported lazily: it pulls in the Mosaic GPU lowering
+  return mods.element_fns_problem(mask_fn, score_fn)
 
 
 def unsupported_features(call: AttentionCall, implementation: str) -> tuple[str, ...]:
@@ -105,20 +119,26 @@ def _blocked_jax_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths
 def _mosaic_gpu_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, kv_lengths,
                      interpret):
   # `choose` refuses these before tracing; kept here so that no path can drop them silently.
-  kernel_mods = score_mods.ScoreMods(logits_soft_cap=mods.logits_soft_cap)
+  kernel_mods = score_mods.ScoreMods(logits_soft_cap=mods.logits_soft_cap,
+                                     dropout_rate=mods.dropout_rate,
+                                     broadcast_dropout=mods.broadcast_dropout,
+                                     mask_fn=mods.mask_fn, score_fn=mods.score_fn)
   slopes = arrays.alibi_slopes
-  if (mods != kernel_mods or any(x is not None for x in (arrays.bias, arrays.mask,
-                                                          arrays.dropout_seed))
+  if (mods != kernel_mods or any(x is not None for x in (arrays.bias, arrays.mask))
       or (slopes is not None and slopes.shape[0] != 1)):
     raise NotImplementedError("implementation='mosaic_gpu' does not support bias, mask, "
-                              "dropout, mask_fn, score_fn or per-batch ALiBi slopes yet")
+                              "or per-batch ALiBi slopes yet")
   if interpret:
     interpreter_threads.warn_if_too_few()
   from pallas_attn.mosaic_gpu import ops  # imported lazily: it pulls in the Mosaic GPU lowering
   return ops.attention(query, key, value, q_lengths, kv_lengths, scale=scale, spec=spec,
                        interpret=interpret, logits_soft_cap=mods.logits_soft_cap,
                        q_segment_ids=arrays.q_segment_ids, kv_segment_ids=arrays.kv_segment_ids,
-                       alibi_slopes=None if slopes is None else slopes[0])
+                       alibi_slopes=None if slopes is None else slopes[0],
+                       dropout_rate=mods.dropout_rate,
+                       dropout_seed=arrays.dropout_seed if mods.dropout_rate > 0.0 else None,
+                       broadcast_dropout=mods.broadcast_dropout,
+                       mask_fn=mods.mask_fn, score_fn=mods.score_fn)
 
 
 _IMPLEMENTATIONS = {
@@ -143,6 +163,8 @@ def mosaic_gpu_unsupported_reason(call: AttentionCall) -> str | None:
   missing = unsupported_features(call, "mosaic_gpu")
   if missing:
     return f"the Mosaic GPU kernels do not support {', '.join(missing)} yet"
+  if call.element_fns_problem is not None:
+    return f"the Mosaic GPU kernels cannot trace mask_fn / score_fn: {call.element_fns_problem}"
   if call.dtype not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
     return f"the Mosaic GPU kernels take bfloat16 or float16 inputs, got {call.dtype}"
   if call.head_dim not in mgpu_config.SUPPORTED_HEAD_DIMS:
@@ -157,7 +179,8 @@ def mosaic_gpu_unsupported_reason(call: AttentionCall) -> str | None:
 def choose(call: AttentionCall, implementation: str | None):
   """The implementation for `call`: the one asked for (checked), or the fastest that applies.
 
-  Raises NotImplementedError when the one asked for lacks a feature of the call, ValueError when
+  Raises NotImplementedError when the one asked for lacks a feature of the call (or, for
+  mosaic_gpu, cannot trace its mask_fn / score_fn), ValueError when
   the Mosaic GPU kernels cannot run it (dtype, head_dim, no Hopper GPU)."""
   if implementation is not None:
     if implementation not in _IMPLEMENTATIONS:
@@ -169,6 +192,11 @@ def choose(call: AttentionCall, implementation: str | None):
           f"implementation={implementation!r} does not support {', '.join(missing)}; use "
           f"implementation='blocked_jax' (any backend, O(N) memory) or None, which picks an "
           f"implementation that does")
+    if implementation == "mosaic_gpu" and call.element_fns_problem is not None:
+      raise NotImplementedError(
+          f"implementation='mosaic_gpu' cannot trace mask_fn / score_fn into its kernels: "
+          f"{call.element_fns_problem}; use implementation='blocked_jax' or None, which serve "
+          f"any mask_fn / score_fn")
     if implementation == "mosaic_gpu":
       reason = mosaic_gpu_unsupported_reason(call)
       if reason is not None:

@@ -235,8 +235,21 @@ def segment_blocks_meet(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, blo
 
   Exact for sorted ids (packed sequences: each block holds a run of consecutive segments);
   unsorted ids stay correct, the ranges just overlap more often and fewer tiles are skipped."""
+  meet, _ = segment_block_pairs(q_segment_ids, kv_segment_ids, block_q, block_kv, num_q_blocks,
+                                num_kv_blocks)
+  return meet.any(axis=0)
+
+
+def segment_block_pairs(q_segment_ids: jax.Array, kv_segment_ids: jax.Array, block_q: int,
+                        block_kv: int, num_q_blocks: int, num_kv_blocks: int):
+  """(meet, same), bool [batch, num_q_blocks, num_kv_blocks], from the per-block id bounds:
+  `meet` False where the query block's and the key block's id ranges are disjoint (no pair of
+  the tile shares a segment); `same` True where both blocks hold one and the same id (every pair
+  of the tile does)."""
   q_min, q_max = segment_block_bounds(q_segment_ids, block_q, num_q_blocks)
   kv_min, kv_max = segment_block_bounds(kv_segment_ids, block_kv, num_kv_blocks)
   meet = ((q_min[:, :, None] <= kv_max[:, None, :])  # [batch, num_q_blocks, num_kv_blocks]
           & (kv_min[:, None, :] <= q_max[:, :, None]))
-  return meet.any(axis=0)
+  same = (((q_min == q_max)[:, :, None] & (kv_min == kv_max)[:, None, :])
+          & (q_min[:, :, None] == kv_min[:, None, :]))
+  return meet, same

@@ -45,8 +45,9 @@ class Layout:
 
 # The Mosaic GPU kernels' score-modifier operands (`mosaic_gpu.mods.ModArrays`), after the
 # lengths: q_segment_ids [B, T], kv_segment_ids [B, S], alibi_slopes [Hq], dropout_prefix
-# [B, Hq] (the dropout hash state of each global (batch, head): sharded, it stays global).
-_MOD_ARRAYS = ("bt", "bs", "h", "bh")
+# [B, Hq] (the dropout hash state of each global (batch, head): sharded, it stays global),
+# batch_index [B] and head_index [Hq] (the global indices mask_fn / score_fn get).
+_MOD_ARRAYS = ("bt", "bs", "h", "bh", "b", "h")
 # forward(q, k, v, q_lengths, kv_lengths, *mod_arrays) -> (out, lse)
 FORWARD = Layout(operands=("bthd", "bskd", "bskd", "b", "b", *_MOD_ARRAYS),
                  results=("bthd", "bht"))

@@ -49,6 +49,8 @@ def _shape_re(shape) -> str:
   return re.escape(str(tuple(shape)))
 
 
+_TABLE = jnp.ones((3,), jnp.float32)  # closed over by a score_fn: the kernels cannot take it
+
 # (id, kwargs for _abstract_call, exception type, regex the message must match)
 BAD_INPUTS = [
     ("query_rank2", dict(q=(T, D), k=(S, D)), ValueError, r"query.*" + _shape_re((T, D))),
@@ -148,14 +150,11 @@ BAD_INPUTS = [
      r"\[batch, heads, q_len, kv_len\] = " + _shape_re((B, HQ, T, S))),
     ("score_fn_int", dict(score_fn=lambda s, b, h, i, j: i - j), TypeError,
      r"score_fn must return floating scores; got int32"),
-    ("mosaic_dropout", dict(dtype=jnp.bfloat16, dropout_rate=0.1,
-                            abstract=dict(dropout_rng=((), _KEY)),
-                            logits_soft_cap=5.0, implementation="mosaic_gpu", interpret=True),
-     NotImplementedError, r"mosaic_gpu' does not support dropout_rate"),
-    ("mosaic_score_fn", dict(dtype=jnp.bfloat16, score_fn=lambda s, b, h, i, j: s,
-                             mask_fn=lambda b, h, i, j: i >= j, implementation="mosaic_gpu",
-                             interpret=True),
-     NotImplementedError, r"mosaic_gpu' does not support mask_fn, score_fn"),
+    ("mosaic_score_fn_closes_over_array",
+     dict(dtype=jnp.bfloat16, score_fn=lambda s, b, h, i, j: s + _TABLE[h % 3],
+          mask_fn=lambda b, h, i, j: i >= j, implementation="mosaic_gpu", interpret=True),
+     NotImplementedError, r"mosaic_gpu' cannot trace mask_fn / score_fn.*score_fn closes over "
+     r"arrays \(float32\[3\]\)"),
     ("mosaic_alibi_per_batch", dict(dtype=jnp.bfloat16,
                                     abstract=dict(alibi_slopes=((B, HQ), jnp.float32)),
                                     implementation="mosaic_gpu", interpret=True),
@@ -405,15 +404,17 @@ def test_default_dispatch_on_cpu(dtype):
 
 _FEATURE_FLAGS = ["has_bias", "has_mask", "has_segment_ids", "bottom_right", "has_alibi",
                   "alibi_per_batch", "has_soft_cap", "has_dropout", "has_mask_fn", "has_score_fn"]
-_KERNEL_FEATURE_FLAGS = ("has_segment_ids", "bottom_right", "has_alibi", "has_soft_cap")
+_KERNEL_FEATURE_FLAGS = ("has_segment_ids", "bottom_right", "has_alibi", "has_soft_cap",
+                         "has_dropout", "has_mask_fn", "has_score_fn")
 
 
 @pytest.mark.parametrize("flag", _FEATURE_FLAGS)
 def test_dispatch_of_each_feature(flag):
   """In the interpreter (so that dtype, head_dim and GPU are no obstacle), the Mosaic GPU kernels
   are chosen exactly for what they serve (bottom-right alignment, segment ids, per-head ALiBi
-  slopes, soft-cap); else blocked_jax, which, like the reference, serves every feature. Asking
-  mosaic_gpu for the others raises NotImplementedError naming the feature."""
+  slopes, soft-cap, traceable mask_fn / score_fn); else blocked_jax, which, like the reference,
+  serves every feature. Asking mosaic_gpu for the others raises NotImplementedError naming the
+  feature."""
   call = dataclasses.replace(_call(dtype=jnp.bfloat16, interpret=True), **{flag: True})
   impls = dispatch._IMPLEMENTATIONS
   feature = call.features()[-1]

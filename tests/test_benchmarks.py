@@ -124,41 +124,6 @@ def test_failures_become_rows_and_the_sweep_goes_on():
     check_schema(row)
 
 
-def test_compile_ahead_gives_the_same_rows():
-  """Compile-ahead (the next shapes compile in threads while one is timed) changes neither the
-  rows, their order, nor what a failed compile becomes; the jobs it may run ahead do run in a
-  background thread."""
-  import threading  # pylint: disable=import-outside-toplevel
-  traced_in = []
-
-  def xla_traced(q, k, v, *, is_causal):
-    traced_in.append(threading.current_thread().name)
-    return jax_nn_xla(q, k, v, is_causal=is_causal)
-
-  def refuses(q, k, v, *, is_causal):
-    raise NotImplementedError("this shape is not supported")
-
-  jax_nn_xla = impls.get("jax_xla", "cpu").attend
-  impl_list = [impls.Impl("jax_cudnn", refuses), impls.Impl("tokamax_triton", xla_traced),
-               impls.get("jax_xla", "cpu")]
-  fields = ("implementation", "pass", "seq_q", "causal", "heads_q", "error_kind")
-  runs = {}
-  for ahead in (0, 2):
-    rows = []
-    cfg = sweep.SweepConfig(passes=("fwd",), timing=timing.TimingConfig(warmup=1, repeats=1),
-                            compile_workers=2, compile_ahead=ahead)
-    sweep.run_sweep(shapes.tiny_sweep(), impl_list, cfg, rows.append)
-    runs[ahead] = [tuple(r[f] for f in fields) for r in rows]
-    for row in rows:
-      check_schema(row)
-      if row["implementation"] == "jax_cudnn":
-        assert row["error"].startswith("NotImplementedError: this shape"), row
-      else:
-        assert row["error"] is None and row["max_rel_err"] < MAX_REL_ERR, row
-  assert runs[0] == runs[2] and len(runs[0]) == 3 * len(shapes.tiny_sweep())
-  assert any(name.startswith("compile-ahead") for name in traced_in), traced_in
-
-
 def test_masked_fractions_are_exact():
   """Visible pairs and skipped tiles against closed forms: causal, a causal window, documents."""
   n, blk = 1024, 128
@@ -179,7 +144,7 @@ def test_masked_fractions_are_exact():
   in_docs = (n // doc) * per_doc * (per_doc + 1) / 2
   assert masking.skipped_block_fraction(docs, blk, blk, True) == 1 - in_docs / nb ** 2
   assert masking.skipped_block_fraction(docs, blk, blk, False) == \
-      masking.skipped_block_fraction(causal, blk, blk, False)  # the Mosaic kernels: causal only
+      masking.skipped_block_fraction(causal, blk, blk, False)  # no segment skipping: causal only
   fields = masking.masking_fields("jax_cudnn", docs)
   assert fields["dense_mask"] and fields["skipped_block_fraction"] is None
   assert not masking.masking_fields("pallas_attn:mosaic_gpu", docs)["dense_mask"]

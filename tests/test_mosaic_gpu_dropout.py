@@ -3,8 +3,9 @@ portable path (`implementation="blocked_jax"`, float32), which draws its keep-ma
 hash (`pallas_attn.dropout`): the kernels regenerate it per tile and must agree bit for bit, so
 out, lse and the three gradients (random cotangent) agree to bf16 tolerances.
 
-`pallas_attn.mosaic_gpu.ops.attention` is called directly: the dispatcher does not route dropout
-to the kernels until the compiled kernels are verified on a Hopper GPU (the `gpu` tests here):
+`pallas_attn.mosaic_gpu.ops.attention` is called directly, and once through `pallas_attn.attention`
+(the dispatcher routes dropout to the kernels: `implementation=None` on a Hopper GPU, or
+"mosaic_gpu"). The `gpu` tests compile the kernels on a Hopper GPU:
   PYTHONPATH=. python3 -m pytest -m gpu tests/test_mosaic_gpu_dropout.py
 """
 
@@ -99,6 +100,36 @@ def test_interpreted_dropout_matches_portable(name, seed):
   assert interpret_pallas_call.get_races().races_found is False
 
 
+def _api_outputs(q, k, v, do, key, implementation, interpret):
+  def f(q, k, v):
+    return pallas_attn.attention(q, k, v, is_causal=True, implementation=implementation,
+                                 interpret=interpret, dropout_rate=RATE, dropout_rng=key,
+                                 return_residual=True)
+
+  (out, lse), vjp = jax.vjp(f, q, k, v)
+  return (out, lse, *vjp((do, jnp.zeros_like(lse))))
+
+
+def _check_api(implementation, *, interpret, q_len, kv_len, head_dim):
+  q, k, v, do, key = _inputs(1, q_len, kv_len, 2, 1, head_dim, 3)
+  got = jax.jit(functools.partial(_api_outputs, implementation=implementation,
+                                  interpret=interpret))(q, k, v, do, key)
+  up = [x.astype(jnp.float32) for x in (q, k, v, do)]
+  want = _portable_outputs(*up, key, is_causal=True, broadcast=False)
+  for name, g, w in zip(("out", "lse", *cases.QUANTITIES[1:]), got, want):
+    assert cases.rel_err(g, w) < (1e-4 if name == "lse" else 2e-2), name
+
+
+def test_attention_routes_dropout_to_the_kernels():
+  """Through the API: dispatch serves dropout with the kernels (interpreted here)."""
+  from pallas_attn import dispatch
+  call = dispatch.AttentionCall(batch=1, q_len=70, kv_len=90, heads_q=2, heads_kv=1, head_dim=64,
+                                dtype=jnp.dtype(jnp.bfloat16), has_bias=False, has_mask=False,
+                                interpret=True, has_dropout=True)
+  assert dispatch.choose(call, None) is dispatch._IMPLEMENTATIONS["mosaic_gpu"]
+  _check_api("mosaic_gpu", interpret=True, q_len=70, kv_len=90, head_dim=64)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])  # 256: dV and dK in two launches
 def test_dropout_kernels_lower_for_cuda(head_dim):
   """The real Pallas -> Mosaic GPU lowering of the three kernels with dropout (the uint32 hash in
@@ -135,6 +166,13 @@ def test_gpu_dropout_matches_portable(name, head_dim, seed):
   batch, _, _, heads_q, heads_kv, is_causal, broadcast = _CASES[name]
   _check(batch, 1000, 1000, heads_q, heads_kv, is_causal, broadcast, seed=seed, interpret=False,
          head_dim=head_dim)
+
+
+@pytest.mark.gpu
+def test_gpu_attention_picks_the_kernels_for_dropout():
+  """implementation=None on the H200: the compiled kernels, against the portable path."""
+  _poison_allocator(64 << 20)
+  _check_api(None, interpret=False, q_len=1000, kv_len=1000, head_dim=128)
 
 
 # ---------------------------------------------------------------------------------------------

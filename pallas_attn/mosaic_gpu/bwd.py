@@ -10,11 +10,13 @@ With delta = rowsum(dO * O) precomputed, dS = P * (dP - delta) where dP = dO V^T
   lse and delta tiles for every query head of the GQA group and every visible query block; each
   compute warpgroup accumulates dV = P^T dO and dK = scale * dS^T Q for its key rows, summed over
   the group in registers (no per-query-head copy of dK/dV).
-Block skipping and end-of-range masking follow `mask`, and the score modifiers `mods`, exactly
-as in the forward kernel; with a soft-cap, dS is multiplied by the cap's derivative. With
-dropout, dP is masked and scaled by the regenerated keep-mask, dS = P * (dP_dropped - delta), and
-dV takes the dropped, scaled P. Rows whose
-lse is +inf (no visible key, or past their query length) get P = 0 and no gradient.
+Block skipping and end-of-range masking follow `mask` (with segment ids: a block table per CTA,
+`block_table.query_major` for dQ, `key_major` for dK/dV, the same list for every query head of the
+group), and the score modifiers `mods`, exactly as in the forward kernel; with a soft-cap and a
+score_fn, dS is multiplied by their derivatives (`mods.logit_grad`; score_fn's by `jax.jvp` in the
+kernel). With dropout, dP is masked and scaled by the regenerated keep-mask,
+dS = P * (dP_dropped - delta), and dV takes the dropped, scaled P. Rows whose lse is +inf (no
+visible key, or past their query length) get P = 0 and no gradient.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import mask as mask_lib
+from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import common
 from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import mods as mods_lib
@@ -35,18 +38,12 @@ from pallas_attn.mosaic_gpu import mods as mods_lib
 _WGS = config_lib.COMPUTE_WARPGROUPS
 
 
-def _masked_loops(lo, full_lo, full_hi, hi, step, carry):
-  """Run `step` over [lo, hi): masked tiles at both ends, unmasked ones in between."""
-  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-
-
 # ---------------------------------------------------------------------------------------------
 # dQ
 
 
-def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_refs, dq_ref,
+def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_refs, table_refs,
+               dq_ref,
                q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_staging,
                q_full, k_full, v_full, k_free, v_free, *,
                spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
@@ -60,15 +57,24 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
   kv_head = lax.div(head, groups)
   kv_length = kv_len_ref[batch]
 
-  cta_start = common.tile_index("q_tiles", num_q_tiles, cfg.reverse_q_tiles) * (_WGS * block_q)
-  cta_lo, cta_hi = mask_lib.kv_block_range(spec, cta_start, _WGS * block_q, block_kv,
-                                           num_kv_blocks, kv_length)
+  q_tile = common.tile_index("q_tiles", num_q_tiles, cfg.reverse_q_tiles)
+  cta_start = q_tile * (_WGS * block_q)
+  cta_list = None
+  if table_refs is None:
+    cta_lo, cta_hi = mask_lib.kv_block_range(spec, cta_start, _WGS * block_q, block_kv,
+                                             num_kv_blocks, kv_length)
+  else:
+    cta_list = block_table.CtaList.read(table_refs, batch=batch, head=head, tile=q_tile)
 
   @pl.when(wg == _WGS)
   def _producer():
+    if cta_list is None:
+      block_of, num_blocks = (lambda i: cta_lo + i), cta_hi - cta_lo
+    else:
+      block_of, num_blocks = cta_list.block, cta_list.count
     common.produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
-                      batch=batch, kv_head=kv_head, first_block=cta_lo,
-                      num_blocks=cta_hi - cta_lo, block_kv=block_kv, stages=stages)
+                      batch=batch, kv_head=kv_head, block_of=block_of,
+                      num_blocks=num_blocks, block_kv=block_kv, stages=stages)
 
   @pl.when(wg < _WGS)
   def _consumer():
@@ -81,44 +87,53 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
     plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[wg], q_full.at[wg * 4 + 2])
     plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[wg], q_full.at[wg * 4 + 3])
 
-    lo, hi = mask_lib.kv_block_range(spec, q_start, block_q, block_kv, num_kv_blocks, kv_length)
-    lo = jnp.clip(lo, cta_lo, cta_hi)
-    hi = jnp.clip(hi, lo, cta_hi)
-    full_lo, full_hi = mask_lib.kv_full_range(spec, q_start, block_q, block_kv, lo, hi,
-                                              kv_length)
-    slot_of = lambda j: lax.rem(j - cta_lo, stages)
+    if cta_list is None:
+      lo, hi = mask_lib.kv_block_range(spec, q_start, block_q, block_kv, num_kv_blocks,
+                                       kv_length)
+      lo = jnp.clip(lo, cta_lo, cta_hi)
+      hi = jnp.clip(hi, lo, cta_hi)
+      full_lo, full_hi = mask_lib.kv_full_range(spec, q_start, block_q, block_kv, lo, hi,
+                                                kv_length)
+      slot_of = lambda j: lax.rem(j - cta_lo, stages)
     scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch, head=head,
-                                        row_start=q_start, rows=block_q, kv_length=kv_length)
+                                        row_start=q_start, rows=block_q, kv_length=kv_length,
+                                        backward=True)
     for i in range(4):
       plgpu.barrier_wait(q_full.at[wg * 4 + i])
     lse2 = plgpu.load(lse_smem.at[wg], (), layout=common.WGMMA_ROW) * common.LOG2E
     delta = plgpu.load(delta_smem.at[wg], (), layout=common.WGMMA_ROW)
 
-    def release(j, carry):
-      common.release_kv(slot_of(j), k_full, v_full, k_free, v_free)
+    def release(slot, carry):
+      common.release_kv(slot, k_full, v_full, k_free, v_free)
       return carry
 
-    def step(j, dq, *, masked: bool):
-      slot = slot_of(j)
-      cols = scores.columns(j, block_kv)
+    def step(slot, j, dq, *, masked: bool):
+      """Key block j, in ring slot `slot`."""
+      cols = scores.columns(j, block_kv, masked=masked)
       plgpu.barrier_wait(k_full.at[slot])
       s = common.matmul(q_smem.at[wg], k_smem.at[slot].T, (block_q, block_kv))
-      s, tanh_s = scores(s, cols, masked=masked)
+      s, chain = scores(s, cols, masked=masked)
       p = jnp.exp2(s - common.broadcast_rows(lse2, s.shape))  # [block_q, block_kv]
       plgpu.barrier_wait(v_full.at[slot])
       dp = common.matmul(do_smem.at[wg], v_smem.at[slot].T, (block_q, block_kv))
       plgpu.barrier_arrive(v_free.at[slot])
       dp = scores.dropped(dp, scores.dropout_keep(dp, cols))  # dP of the dropped weights
-      ds = mods_lib.soft_cap_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), tanh_s)
+      ds = mods_lib.logit_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), chain)
       dq = common.matmul_acc(dq, ds.astype(dtype), k_smem.at[slot],
                              ds_staging[0].at[wg] if ds_staging else None)
       plgpu.barrier_arrive(k_free.at[slot])
       return dq
 
     dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), common.WGMMA)
-    lax.fori_loop(cta_lo, lo, release, None)
-    dq = _masked_loops(lo, full_lo, full_hi, hi, step, dq)
-    lax.fori_loop(hi, cta_hi, release, None)
+    if cta_list is None:
+      release_block = lambda j, c: release(slot_of(j), c)
+      lax.fori_loop(cta_lo, lo, release_block, None)
+      dq = common.masked_loops(lo, full_lo, full_hi, hi,
+                               lambda j, c, masked: step(slot_of(j), j, c, masked=masked), dq)
+      lax.fori_loop(hi, cta_hi, release_block, None)
+    else:
+      dq = cta_list.visit(wg, dq, slot_of=lambda i: lax.rem(i, stages), release=release,
+                          step=step)
 
     q_smem.at[wg][...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
@@ -129,8 +144,10 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
 def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
        cfg: config_lib.KernelConfig, interpret: bool,
        mods: mods_lib.KernelMods = mods_lib.KernelMods(),
-       mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays()):
-  """dQ [B, T, Hq, D] in q.dtype. Shapes as in `fwd.forward`; lse, delta [B, Hq, T] float32."""
+       mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays(),
+       table: block_table.BlockTable | None = None):
+  """dQ [B, T, Hq, D] in q.dtype. Shapes as in `fwd.forward`; lse, delta [B, Hq, T] float32.
+  `table`: `block_table.query_major` at (cfg.block_q, cfg.block_kv), or None (positions)."""
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   num_q_tiles = q_len // (_WGS * cfg.block_q)
@@ -151,7 +168,7 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
       thread_name="wg",
       compiler_params=params,
       interpret=common.interpret_params(interpret),
-  )(q, k, v, d_out, lse, delta, kv_lengths, mod_arrays)
+  )(q, k, v, d_out, lse, delta, kv_lengths, mod_arrays, table)
 
 
 def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
@@ -178,7 +195,8 @@ def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpr
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref, mod_refs,
-                *refs, spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
+                table_refs, *refs, spec: mask_lib.MaskSpec, scale: float,
+                cfg: config_lib.KernelConfig,
                 num_q_blocks: int, groups: int, outputs: tuple[str, ...],
                 mods: mods_lib.KernelMods):
   out_refs = dict(zip(outputs, refs[:len(outputs)]))
@@ -195,10 +213,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
   # (Causal: the first key tiles see the most queries; the launch order is heaviest first already.)
   cta_start = lax.axis_index("kv_tiles") * (_WGS * block_kv)
-  cta_lo, cta_hi = mask_lib.q_block_range(spec, cta_start, _WGS * block_kv, block_q,
-                                          num_q_blocks, q_length)
-  cta_hi = jnp.where(cta_start >= kv_length, cta_lo, cta_hi)  # every key is padding
-  per_head = cta_hi - cta_lo  # steps per query head of the group
+  cta_list = None
+  if table_refs is None:
+    cta_lo, cta_hi = mask_lib.q_block_range(spec, cta_start, _WGS * block_kv, block_q,
+                                            num_q_blocks, q_length)
+    cta_hi = jnp.where(cta_start >= kv_length, cta_lo, cta_hi)  # every key is padding
+    per_head = cta_hi - cta_lo  # steps per query head of the group
+    block_of = lambda e: cta_lo + e  # the query block of the e-th step of a head
+  else:  # (the table has no heads axis: `dkv` checks)
+    cta_list = block_table.CtaList.read(table_refs, batch=batch, head=0,
+                                        tile=lax.axis_index("kv_tiles"))
+    per_head, block_of = cta_list.count, cta_list.block
 
   @pl.when(wg == _WGS)
   def _producer():
@@ -206,7 +231,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
     def issue(i, slot):
       head = kv_head * groups + lax.div(i, per_head)
-      q_start = (cta_lo + lax.rem(i, per_head)) * block_q
+      q_start = block_of(lax.rem(i, per_head)) * block_q
       rows = (batch, pl.ds(q_start, block_q), head)
       stats = (batch, head, pl.ds(q_start, block_q))
       plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_full.at[slot])
@@ -225,18 +250,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_full.at[wg * 2 + 0])
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_full.at[wg * 2 + 1])
 
-    lo, hi = mask_lib.q_block_range(spec, kv_start, block_kv, block_q, num_q_blocks, q_length)
-    hi = jnp.where(kv_start >= kv_length, lo, hi)
-    lo = jnp.clip(lo, cta_lo, cta_hi)
-    hi = jnp.clip(hi, lo, cta_hi)
-    full_lo, full_hi = mask_lib.q_full_range(spec, kv_start, block_kv, block_q, lo, hi)
-    # A key tile that straddles the key length needs the mask on every query block.
-    straddles = kv_start + block_kv > kv_length
-    full_lo = jnp.where(straddles, hi, full_lo)
-    full_hi = jnp.where(straddles, hi, full_hi)
+    if cta_list is None:
+      lo, hi = mask_lib.q_block_range(spec, kv_start, block_kv, block_q, num_q_blocks,
+                                      q_length)
+      hi = jnp.where(kv_start >= kv_length, lo, hi)
+      lo = jnp.clip(lo, cta_lo, cta_hi)
+      hi = jnp.clip(hi, lo, cta_hi)
+      full_lo, full_hi = mask_lib.q_full_range(spec, kv_start, block_kv, block_q, lo, hi)
+      # A key tile that straddles the key length needs the mask on every query block.
+      straddles = kv_start + block_kv > kv_length
+      full_lo = jnp.where(straddles, hi, full_lo)
+      full_hi = jnp.where(straddles, hi, full_hi)
     key_scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch,
                                             row_start=kv_start, rows=block_kv,
-                                            kv_length=kv_length, transposed=True)
+                                            kv_length=kv_length, transposed=True,
+                                            backward=True)
     plgpu.barrier_wait(kv_full.at[wg * 2 + 0])
     plgpu.barrier_wait(kv_full.at[wg * 2 + 1])
 
@@ -247,24 +275,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_wait(delta_full.at[slot])
 
     def one_head(g, carry):
-      step_base = g * per_head - cta_lo  # ring step of query block qi is step_base + qi
-      slot_of = lambda qi: lax.rem(step_base + qi, stages)
-      # (The query head only matters to ALiBi and dropout: don't compute it otherwise.)
+      # (The query head only matters to ALiBi, dropout and the user's functions: don't compute
+      # it otherwise.)
       scores = key_scores.for_head(kv_head * groups + g) if mods.per_head else key_scores
 
-      def release(qi, c):
-        slot = slot_of(qi)
+      def release(slot, c):
         wait_filled(slot)
         plgpu.barrier_arrive(slot_free.at[slot])
         return c
 
-      def step(qi, acc, *, masked: bool):
+      def step(slot, qi, acc, *, masked: bool):
+        """Query block qi, in ring slot `slot`."""
         acc = dict(acc)
-        slot = slot_of(qi)
-        cols = scores.columns(qi, block_q)
+        cols = scores.columns(qi, block_q, masked=masked)
         wait_filled(slot)
         st = common.matmul(k_smem.at[wg], q_smem.at[slot].T, (block_kv, block_q))  # S^T
-        st, tanh_st = scores(st, cols, masked=masked)
+        st, chain = scores(st, cols, masked=masked)
         lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
         pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
         keep = scores.dropout_keep(pt, cols)  # transposed like the tile
@@ -276,15 +302,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           dpt = common.matmul(v_smem.at[wg], do_smem.at[slot].T, (block_kv, block_q))
           dpt = scores.dropped(dpt, keep)
           delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
-          dst = mods_lib.soft_cap_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
-                                       tanh_st)
+          dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
+                                    chain)
           acc["dk"] = common.matmul_acc(acc["dk"], dst.astype(dtype), q_smem.at[slot], stage)
         plgpu.barrier_arrive(slot_free.at[slot])
         return acc
 
-      lax.fori_loop(cta_lo, lo, release, None)
-      carry = _masked_loops(lo, full_lo, full_hi, hi, step, carry)
-      lax.fori_loop(hi, cta_hi, release, None)
+      if cta_list is not None:  # entry i of this head is ring step g * per_head + i
+        return cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(g * per_head + i, stages),
+                              release=release, step=step)
+      step_base = g * per_head - cta_lo  # ring step of query block qi is step_base + qi
+      slot_of = lambda qi: lax.rem(step_base + qi, stages)
+      release_block = lambda qi, c: release(slot_of(qi), c)
+      lax.fori_loop(cta_lo, lo, release_block, None)
+      carry = common.masked_loops(lo, full_lo, full_hi, hi,
+                                  lambda qi, c, masked: step(slot_of(qi), qi, c, masked=masked),
+                                  carry)
+      lax.fori_loop(hi, cta_hi, release_block, None)
       return carry
 
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), common.WGMMA)
@@ -303,13 +337,20 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
         spec: mask_lib.MaskSpec, cfg: config_lib.KernelConfig, interpret: bool,
         mods: mods_lib.KernelMods = mods_lib.KernelMods(),
-        mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays()):
+        mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays(),
+        table: block_table.BlockTable | None = None):
   """(dK, dV) [B, S, Hkv, D] in k.dtype, summed over each kv head's query-head group.
+
+  `table`: `block_table.key_major` at (cfg.block_q, cfg.block_kv), without a heads axis (size
+  1), or None (the positional ranges).
 
   When one warpgroup cannot hold both accumulators in registers (`cfg.split_dkv`: head_dim 256,
   2 x 64 x 256 float32 = 256 registers per thread), dV and dK come from two launches, each
   recomputing P.
   """
+  if table is not None and table.counts.shape[1] != 1:
+    raise NotImplementedError("per-head block tables (a per-head block mask) in the Mosaic GPU "
+                              "dK/dV kernel")
   if cfg.reverse_q_tiles:
     raise ValueError("reverse_q_tiles is a forward / dQ option: the dK/dV kernel's grid runs over "
                      "key tiles")
@@ -317,13 +358,13 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   grads = {}
   for outputs in passes:
     grads.update(zip(outputs, _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
-                                        mod_arrays, scale=scale, spec=spec, cfg=cfg,
+                                        mod_arrays, table, scale=scale, spec=spec, cfg=cfg,
                                         interpret=interpret, outputs=outputs, mods=mods)))
   return grads["dk"], grads["dv"]
 
 
-def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, *, scale, spec, cfg,
-              interpret, outputs, mods):
+def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, *, scale,
+              spec, cfg, interpret, outputs, mods):
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
@@ -344,7 +385,7 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, *, 
       thread_name="wg",
       compiler_params=params,
       interpret=common.interpret_params(interpret),
-  )(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays)
+  )(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table)
 
 
 def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:

@@ -3,6 +3,7 @@ producer side of a TMA ring, and the interpret switch."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -171,6 +172,14 @@ def broadcast_cols(x, shape):
   return lax.broadcast_in_dim(x, shape, [1])
 
 
+def masked_loops(lo, full_lo, full_hi, hi, step, carry):
+  """Run `step(j, carry, masked=...)` over [lo, hi): masked tiles at both ends, unmasked ones in
+  between (the positional ranges of `mask`)."""
+  carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
+
+
 def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free):
   """The producer warpgroup's loop over a ring of `stages` shared-memory slots.
 
@@ -200,14 +209,14 @@ def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free):
 
 
 def produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, batch, kv_head,
-               first_block, num_blocks, block_kv: int, stages: int):
-  """The producer warpgroup of the forward and dQ kernels: key blocks
-  [first_block, first_block + num_blocks) of K and V ([batch, seq, heads_kv, head_dim]) into the
-  ring, each slot's K and V completing on their own barriers."""
+               block_of, num_blocks, block_kv: int, stages: int):
+  """The producer warpgroup of the forward and dQ kernels: key blocks block_of(i),
+  0 <= i < num_blocks, of K and V ([batch, seq, heads_kv, head_dim]) into the ring, each slot's K
+  and V completing on their own barriers."""
   plgpu.set_max_registers(40, action="decrease")
 
   def issue(i, slot):
-    rows = (batch, pl.ds((first_block + i) * block_kv, block_kv), kv_head)
+    rows = (batch, pl.ds(block_of(i) * block_kv, block_kv), kv_head)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_full.at[slot])
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
 

@@ -9,9 +9,14 @@ works in base 2 (scale * log2(e) folded into one multiply, exp2 on the SFU).
 Only key blocks that can hold a visible key are loaded (`mask.kv_block_range`: causal, window and
 key-length skipping); element masks are applied only to the tiles at the two ends of that range
 (`mask.kv_full_range`). The producer loads the union of both warpgroups' ranges; a warpgroup
-releases the slots outside its own range without computing on them. Soft-cap, ALiBi and segment
-ids (`mods`) change the logits of every tile when given; with dropout, the probabilities that
-multiply V are masked by the regenerated keep-mask and scaled by 1 / (1 - rate).
+releases the slots outside its own range without computing on them. With segment ids the CTA
+walks its list in a block table instead (`block_table`, built outside the kernel: blocks whose
+segments cannot meet are skipped too), each entry telling each warpgroup to release, compute
+masked or compute unmasked; both warpgroups walk the whole list, so the ping-pong meetings stay
+paired (two per entry, whatever the mode). Soft-cap and ALiBi (`mods`) change the logits of every
+tile when given; with dropout, the probabilities that multiply V are masked by the regenerated
+keep-mask and scaled by 1 / (1 - rate). `cfg.overlap_qk` applies to the range loops; a block
+table is walked one tile at a time.
 
 Options of `cfg` (config.KernelConfig) beyond the tile sizes: `ping_pong` (the two warpgroups
 take turns at the tensor cores, FlashAttention-3), `overlap_qk` (each warpgroup runs tile j's
@@ -32,12 +37,13 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import mask as mask_lib
 from pallas_attn import numerics
+from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import common
 from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import mods as mods_lib
 
 
-def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_ref,
+def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, out_ref, lse_ref,
             qo_smem, k_smem, v_smem, lse_smem, p_staging, q_full, k_full, v_full, k_free, v_free,
             schedule, *,
             spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
@@ -52,19 +58,28 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_r
   q_length = q_len_ref[batch]
   kv_length = kv_len_ref[batch]
 
-  # The key blocks this CTA needs: the union of its two warpgroups' ranges.
+  # The key blocks this CTA needs: the union of its two warpgroups' ranges, or its list in the
+  # block table (segment ids).
   q_tile = common.tile_index("q_tiles", num_q_tiles, cfg.reverse_q_tiles)
   cta_start = q_tile * (config_lib.COMPUTE_WARPGROUPS * block_q)
-  cta_lo, cta_hi = mask_lib.kv_block_range(
-      spec, cta_start, config_lib.COMPUTE_WARPGROUPS * block_q, block_kv, num_kv_blocks,
-      kv_length)
-  cta_hi = jnp.where(cta_start >= q_length, cta_lo, cta_hi)  # every row is padding
+  cta_list = None
+  if table_refs is None:
+    cta_lo, cta_hi = mask_lib.kv_block_range(
+        spec, cta_start, config_lib.COMPUTE_WARPGROUPS * block_q, block_kv, num_kv_blocks,
+        kv_length)
+    cta_hi = jnp.where(cta_start >= q_length, cta_lo, cta_hi)  # every row is padding
+  else:
+    cta_list = block_table.CtaList.read(table_refs, batch=batch, head=head, tile=q_tile)
 
   @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
   def _producer():
+    if cta_list is None:
+      block_of, num_blocks = (lambda i: cta_lo + i), cta_hi - cta_lo
+    else:
+      block_of, num_blocks = cta_list.block, cta_list.count
     common.produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
-                      batch=batch, kv_head=kv_head, first_block=cta_lo,
-                      num_blocks=cta_hi - cta_lo, block_kv=block_kv, stages=stages)
+                      batch=batch, kv_head=kv_head, block_of=block_of,
+                      num_blocks=num_blocks, block_kv=block_kv, stages=stages)
 
   @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
   def _consumer():
@@ -74,13 +89,15 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_r
     plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem,
                             q_full.at[wg])
 
-    lo, hi = mask_lib.kv_block_range(spec, q_start, block_q, block_kv, num_kv_blocks, kv_length)
-    hi = jnp.where(q_start >= q_length, lo, hi)
-    lo = jnp.clip(lo, cta_lo, cta_hi)
-    hi = jnp.clip(hi, lo, cta_hi)
-    full_lo, full_hi = mask_lib.kv_full_range(spec, q_start, block_q, block_kv, lo, hi,
-                                              kv_length)
-    slot_of = lambda j: lax.rem(j - cta_lo, stages)
+    if cta_list is None:
+      lo, hi = mask_lib.kv_block_range(spec, q_start, block_q, block_kv, num_kv_blocks,
+                                       kv_length)
+      hi = jnp.where(q_start >= q_length, lo, hi)
+      lo = jnp.clip(lo, cta_lo, cta_hi)
+      hi = jnp.clip(hi, lo, cta_hi)
+      full_lo, full_hi = mask_lib.kv_full_range(spec, q_start, block_q, block_kv, lo, hi,
+                                                kv_length)
+      slot_of = lambda j: lax.rem(j - cta_lo, stages)
     scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch, head=head,
                                         row_start=q_start, rows=block_q, kv_length=kv_length)
 
@@ -90,17 +107,17 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_r
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
-    def release(j, carry):
+    def release(slot, carry):
       """A slot another warpgroup needs: observe its fill, then free it. Keeps the ping-pong
       meetings in step with the other warpgroup (two per key block)."""
-      common.release_kv(slot_of(j), k_full, v_full, k_free, v_free)
+      common.release_kv(slot, k_full, v_full, k_free, v_free)
       meet()
       meet()
       return carry
 
     def qk(j, slot, masked: bool):
       """Tile j's logits S = q k^T with its modifiers and masks; frees the K slot."""
-      cols = scores.columns(j, block_kv)
+      cols = scores.columns(j, block_kv, masked=masked)
       plgpu.barrier_wait(k_full.at[slot])
       # The first meeting lets the other warpgroup's softmax start once this QK^T is issued.
       s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv),  # [block_q, block_kv]
@@ -130,9 +147,9 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_r
 
     staging = p_staging[0].at[wg] if p_staging else None
 
-    def step(j, carry, *, masked: bool):
+    def step(slot, j, carry, *, masked: bool):
+      """Key block j, in ring slot `slot`."""
       acc, m_i, l_i = carry
-      slot = slot_of(j)
       s, cols = qk(j, slot, masked)
       p, m_new, l_i, alpha = online_softmax(s, m_i, l_i)
       acc = acc * common.broadcast_rows(alpha, acc.shape)
@@ -180,25 +197,26 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_r
         plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), common.WGMMA_ROW),
     )
     pl.when(wg == 1)(meet)  # offsets the two warpgroups by one meeting
-    lax.fori_loop(cta_lo, lo, release, None)
-    if cfg.overlap_qk:
-      carry += (plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), common.WGMMA),)
-      keep = lambda c: c
-      carry = lax.cond(lo < hi, first_step, keep, carry)
-      start = lo + 1  # (past hi when there is no tile: the loops below run zero times)
-      masked_end = jnp.maximum(full_lo, start)
-      full_end = jnp.maximum(full_hi, masked_end)
-      carry = lax.fori_loop(start, masked_end, functools.partial(overlapped_step, masked=True),
-                            carry)
-      carry = lax.fori_loop(masked_end, full_end,
-                            functools.partial(overlapped_step, masked=False), carry)
-      carry = lax.fori_loop(full_end, hi, functools.partial(overlapped_step, masked=True), carry)
-      carry = lax.cond(lo < hi, last_pv, keep, carry)[:3]
+    if cta_list is not None:  # both warpgroups walk the whole list: two meetings per entry
+      carry = cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(i, stages), release=release,
+                             step=step)
     else:
-      carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-      carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
-      carry = lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-    lax.fori_loop(hi, cta_hi, release, None)
+      release_block = lambda j, c: release(slot_of(j), c)
+      lax.fori_loop(cta_lo, lo, release_block, None)
+      if cfg.overlap_qk:
+        carry += (plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), common.WGMMA),)
+        keep = lambda c: c
+        carry = lax.cond(lo < hi, first_step, keep, carry)
+        start = lo + 1  # (past hi when there is no tile: the loops below run zero times)
+        carry = common.masked_loops(start, jnp.maximum(full_lo, start),
+                                    jnp.maximum(full_hi, jnp.maximum(full_lo, start)), hi,
+                                    overlapped_step, carry)
+        carry = lax.cond(lo < hi, last_pv, keep, carry)[:3]
+      else:
+        carry = common.masked_loops(lo, full_lo, full_hi, hi,
+                                    lambda j, c, masked: step(slot_of(j), j, c, masked=masked),
+                                    carry)
+      lax.fori_loop(hi, cta_hi, release_block, None)
     pl.when(wg == 0)(meet)
     acc, m_i, l_i = carry
 
@@ -220,10 +238,12 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, out_ref, lse_r
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
             cfg: config_lib.KernelConfig, interpret: bool,
             mods: mods_lib.KernelMods = mods_lib.KernelMods(),
-            mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays()):
+            mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays(),
+            table: block_table.BlockTable | None = None):
   """q [B, T, Hq, D] with T a multiple of 2 * block_q; k, v [B, S, Hkv, D] with S a multiple of
   block_kv; lengths int32 [B] (clamped to the unpadded lengths); `mod_arrays` as `mods` says
-  (segment ids padded like q and k).
+  (segment ids padded like q and k). `table`: the key blocks each CTA visits
+  (`block_table.query_major` at (cfg.block_q, cfg.block_kv)); None: the positional ranges.
 
   Returns out [B, T, Hq, D] (q.dtype) and lse [B, Hq, T] float32 (+inf on empty rows).
   """
@@ -249,7 +269,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
       thread_name="wg",
       compiler_params=params,
       interpret=common.interpret_params(interpret),
-  )(q, k, v, q_lengths, kv_lengths, mod_arrays)
+  )(q, k, v, q_lengths, kv_lengths, mod_arrays, table)
 
 
 def scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:

@@ -1,15 +1,15 @@
-"""Score modifiers inside the Mosaic GPU kernels: logit soft-capping, packed-sequence segment ids
-and ALiBi. One place turns a raw q.k^T tile into the logits every kernel (forward, dQ, dK/dV)
-feeds to its softmax.
+"""Score modifiers inside the Mosaic GPU kernels: logit soft-capping, packed-sequence segment ids,
+ALiBi and the FlexAttention-style `mask_fn` / `score_fn`. One place turns a raw q.k^T tile into
+the logits every kernel (forward, dQ, dK/dV) feeds to its softmax.
 
 Order on the natural-log logits of a tile (the semantics issue #5 sets for every path):
-  s = scale * q.k  ->  + ALiBi  ->  soft-cap  ->  masks (causal / window / lengths, segment ids)
-  ->  softmax.
+  s = scale * q.k  ->  + ALiBi  ->  score_fn  ->  soft-cap  ->  masks (causal / window /
+  lengths, segment ids, mask_fn)  ->  softmax.
 - ALiBi adds -slope[h] * |i + offset - j|, offset being the mask's causal alignment offset
   (`getattr(spec, "offset", 0)`: 0 while `MaskSpec` has no offset). The kernels treat the slopes
   as constants: `attention` in ops.py refuses to differentiate them (`constant_slopes`).
 - The soft-cap maps a logit x to cap * tanh(x / cap); the backward kernels recompute tanh from
-  the recomputed scores and multiply dS by its derivative 1 - tanh^2 (`soft_cap_grad`).
+  the recomputed scores and multiply dS by its derivative 1 - tanh^2 (`logit_grad`).
 - Dropout (attention weights, as the portable path): the keep-mask of `pallas_attn.dropout`,
   the hash of (seed, batch, head, q_idx, kv_idx) (batch and head 0 with `broadcast_dropout`), is
   regenerated per tile from the tile's positions, never stored. The hash state after (seed,
@@ -19,15 +19,28 @@ Order on the natural-log logits of a tile (the semantics issue #5 sets for every
   multiplies the kept probabilities by 1 / (1 - rate) before P.V; the backward masks and scales
   dP the same way (dS = P * (dP_dropped - delta), delta of the dropped output) and
   dV = (P * keep / (1 - rate))^T dO.
+- mask_fn / score_fn (`ElementFns`): the user's functions are traced into the kernels, called on
+  the tile with q_idx, kv_idx int32 [rows, cols] in the WGMMA layout (positions in the unpadded
+  sequences, clipped into them as on the portable path; transposed on dK/dV tiles, like the tile)
+  and batch, head int32 scalars: the global batch index and query head, read from
+  `ModArrays.batch_index` / `head_index` so that a sharded call passes global indices.
+  mask_fn is and-ed into the keep mask of every tile (no block is skipped for it: see
+  `element_keep`, the pure per-element predicate a block table can reuse). The backward kernels
+  get d score_fn / d s by `jax.jvp` traced in the kernel and chain it into dS after the
+  soft-cap's derivative (`LogitGrad`). Functions that close over arrays, or use primitives the
+  Mosaic GPU lowering lacks, cannot be traced: `element_fns_problem` says why (the dispatcher
+  then picks the portable path).
 - Segment ids: query i sees key j only where q_segment_ids[b, i] == kv_segment_ids[b, j]. A call
-  with segment ids element-masks every tile. Blocks are not skipped by segment (a packed batch
-  with many short documents still visits every block the positional mask allows): that would
-  need per-block min/max ids computed outside the kernels.
+  with segment ids runs the kernels over block tables (`block_table`, built outside the kernels
+  from per-block min/max ids): tiles whose segments cannot meet are skipped, and only the tiles
+  the table marks MASKED are element-masked (position and segment); a FULL tile holds one
+  segment on both sides and every pair is visible, so it gets no mask at all.
 
 The kernels' softmax runs in base 2. Without a soft-cap, scale * log2(e) is one multiply and the
 ALiBi slope is scaled by log2(e) too; with one, the capped natural-log logit is formed first
-(x / cap folded into the scale and slope, cap * log2(e) into one multiply after tanh). The lse
-stays natural-log.
+(x / cap folded into the scale and slope, cap * log2(e) into one multiply after tanh). With a
+score_fn the natural-log logit is formed first (scale, then ALiBi), score_fn applied, then the
+soft-cap or the log2(e) multiply. The lse stays natural-log.
 
 `KernelMods` is static: it decides what a kernel is traced with, so with no modifier the kernels
 are exactly the plain ones (no extra load, no extra arithmetic). `ModArrays` carries the dynamic
@@ -38,16 +51,29 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.extend import core as jax_core
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_attn import dropout as dropout_lib
 from pallas_attn import mask as mask_lib
 from pallas_attn.mosaic_gpu import common
+
+
+@dataclasses.dataclass(frozen=True)
+class ElementFns:
+  """FlexAttention-style user functions traced into the kernels (`attention`'s mask_fn and
+  score_fn; either may be None). q_len, kv_len: the unpadded sequence lengths, into which the
+  positions the functions see are clipped (padded rows and keys are hidden anyway)."""
+
+  mask_fn: Callable | None
+  score_fn: Callable | None
+  q_len: int
+  kv_len: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +87,7 @@ class KernelMods:
   # One keep-mask for every (batch, head). The kernels need not know (the `dropout_prefix` array
   # is then the same everywhere); kept so that the static config says what the call does.
   broadcast_dropout: bool = False
+  element_fns: ElementFns | None = None
 
   def __post_init__(self):
     if self.soft_cap is not None and not (math.isfinite(self.soft_cap) and self.soft_cap > 0):
@@ -70,8 +97,9 @@ class KernelMods:
 
   @property
   def per_head(self) -> bool:
-    """A scorer reads something per query head (ALiBi's slope, dropout's hash prefix)."""
-    return self.alibi or self.dropout_rate > 0.0
+    """A scorer reads something per query head (ALiBi's slope, dropout's hash prefix, the head
+    index the user's functions get)."""
+    return self.alibi or self.dropout_rate > 0.0 or self.element_fns is not None
 
 
 class ModArrays(NamedTuple):
@@ -82,6 +110,10 @@ class ModArrays(NamedTuple):
   kv_segment_ids: Any = None  # int32 [batch, kv_len]
   alibi_slopes: Any = None  # float32 [heads_q]
   dropout_prefix: Any = None  # uint32 [batch, heads_q]: see `dropout_lib.row_prefix`
+  # int32 [batch] and [heads_q]: the global batch and query-head indices mask_fn / score_fn get
+  # (arange before sharding: a shard's kernels see their own slice).
+  batch_index: Any = None
+  head_index: Any = None
 
   def padded(self, q_len: int, kv_len: int) -> ModArrays:
     """Segment ids padded to the kernels' padded lengths. The padding value does not matter:
@@ -111,8 +143,118 @@ def _constant_slopes_jvp(primals, tangents):
       "the slopes")
 
 
+# The Mosaic GPU lowering's rules for this package's kernels (lane semantics, warpgroup threads):
+# a primitive without one makes the lowering fail. A private table of jax; checked only to refuse
+# early and clearly (jax 0.11.2).
+def _lowering_rules():
+  from jax._src.pallas.mosaic_gpu import core as gpu_core
+  from jax._src.pallas.mosaic_gpu import lowering
+  return lowering.mosaic_lowering_rules[gpu_core.LANExWG_SEMANTICS]
+
+
+# Calls whose bodies the kernels trace inline (`_inlined`): the Mosaic GPU lowering has no rule
+# for custom_jvp_call (jax.nn.relu, softplus, ...), and a jit in the user's function may hold one.
+# The name of the parameter holding each body.
+_INLINED_CALLS = {"custom_jvp_call": "call_jaxpr", "jit": "jaxpr", "pjit": "jaxpr",
+                  "closed_call": "call_jaxpr"}
+
+
+def _eval_inlined(jaxpr, consts, args):
+  env = {}
+  read = lambda v: v.val if isinstance(v, jax_core.Literal) else env[v]
+  env.update(zip(jaxpr.constvars, consts))
+  env.update(zip(jaxpr.invars, args))
+  for eqn in jaxpr.eqns:
+    invals = [read(v) for v in eqn.invars]
+    body = _INLINED_CALLS.get(eqn.primitive.name)
+    if body is not None:
+      closed = eqn.params[body]
+      outs = _eval_inlined(closed.jaxpr, closed.consts, invals)
+    else:
+      outs = eqn.primitive.bind(*invals, **eqn.params)
+      outs = outs if eqn.primitive.multiple_results else [outs]
+    env.update(zip(eqn.outvars, outs))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _inlined(fn, *args):
+  """fn(*args), traced with the calls of `_INLINED_CALLS` replaced by their bodies. Derivatives
+  are taken before (`jax.jvp` of the user's function), so custom rules still apply."""
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  outs = _eval_inlined(closed.jaxpr, closed.consts, jax.tree.leaves(args))
+  return jax.tree.unflatten(jax.tree.structure(out_shape), outs)
+
+
+def _unlowerable_primitives(jaxpr) -> set[str]:
+  rules = _lowering_rules()
+  missing = set()
+  for eqn in jaxpr.eqns:
+    if eqn.primitive not in rules and eqn.primitive.name not in _INLINED_CALLS:
+      missing.add(eqn.primitive.name)
+    for sub in jax_core.jaxprs_in_params(eqn.params):
+      missing |= _unlowerable_primitives(sub)
+  return missing
+
+
+# The abstract arguments of the user's functions in a kernel: a float32 score tile, int32 scalar
+# batch and head, int32 tiles of positions (one tile side of every kernel is 64).
+_PROBE_TILE = (64, 64)
+
+
+def _probes(name: str, fn):
+  """(function, abstract arguments) pairs: what the kernels trace of `fn`."""
+  index = jax.ShapeDtypeStruct(_PROBE_TILE, jnp.int32)
+  scalar = jax.ShapeDtypeStruct((), jnp.int32)
+  if name == "mask_fn":
+    return [(fn, (scalar, scalar, index, index))]
+
+  def value_and_slope(s, *indices):  # the backward kernels
+    return jax.jvp(lambda x: fn(x, *indices), (s,), (jnp.ones_like(s),))
+
+  args = (jax.ShapeDtypeStruct(_PROBE_TILE, jnp.float32), scalar, scalar, index, index)
+  return [(fn, args), (value_and_slope, args)]  # the forward kernel, the backward kernels
+
+
+def _broadcasts_to_tile(shape) -> bool:
+  try:
+    return jnp.broadcast_shapes(shape, _PROBE_TILE) == _PROBE_TILE
+  except ValueError:
+    return False
+
+
+def element_fns_problem(mask_fn, score_fn) -> str | None:
+  """Why mask_fn / score_fn cannot be traced into the Mosaic GPU kernels, or None when they can
+  (or are None). Traced abstractly with the kernels' argument kinds: a function that closes over
+  arrays (constants or traced values: the kernels take no such operand), fails to trace on
+  scalar batch/head indices, or uses a primitive the Mosaic GPU lowering lacks, is refused
+  (custom_jvp calls such as jax.nn.relu are fine: the kernels trace their bodies inline)."""
+  for name, fn in (("mask_fn", mask_fn), ("score_fn", score_fn)):
+    if fn is None:
+      continue
+    for traced, args in _probes(name, fn):
+      try:
+        closed = jax.make_jaxpr(traced)(*args)
+      except Exception as e:  # any failure: the function cannot run on a kernel's tile
+        return (f"{name} cannot be traced on a kernel tile (batch, head: int32 scalars; q_idx, "
+                f"kv_idx: int32 [rows, cols]): {type(e).__name__}: {e}")
+      if closed.consts:
+        shapes = ", ".join(f"{jnp.result_type(c)}{list(jnp.shape(c))}" for c in closed.consts)
+        return (f"{name} closes over arrays ({shapes}), which cannot be passed into the "
+                f"kernels; pass them as bias / mask, or compute them from the indices")
+      shape = tuple(closed.out_avals[0].shape)
+      if not _broadcasts_to_tile(shape):
+        return (f"{name} returned shape {shape} on a {list(_PROBE_TILE)} tile of indices; the "
+                f"kernels need a result that broadcasts to the tile (elementwise functions)")
+      missing = _unlowerable_primitives(closed.jaxpr)
+      if missing:
+        return (f"{name} uses {', '.join(sorted(missing))}, which the Mosaic GPU lowering "
+                f"does not implement")
+  return None
+
+
 def from_arguments(q, k, logits_soft_cap, q_segment_ids, kv_segment_ids, alibi_slopes,
-                   dropout_rate=0.0, dropout_seed=None, broadcast_dropout=False):
+                   dropout_rate=0.0, dropout_seed=None, broadcast_dropout=False, *,
+                   mask_fn=None, score_fn=None):
   """The static `KernelMods` and the dynamic `ModArrays` of a call to `ops.attention`,
   checked (q [B, T, Hq, D], k [B, S, Hkv, D])."""
   (batch, q_len, heads_q, _), kv_len = q.shape, k.shape[1]
@@ -150,11 +292,22 @@ def from_arguments(q, k, logits_soft_cap, q_segment_ids, kv_segment_ids, alibi_s
     else:
       prefix = dropout_lib.row_prefix(seed, jnp.arange(batch, dtype=jnp.int32)[:, None],
                                       jnp.arange(heads_q, dtype=jnp.int32)[None, :])
+  element_fns = batch_index = head_index = None
+  if mask_fn is not None or score_fn is not None:
+    problem = element_fns_problem(mask_fn, score_fn)
+    if problem is not None:
+      raise NotImplementedError(f"the Mosaic GPU kernels cannot take this mask_fn / score_fn: "
+                                f"{problem}; implementation='blocked_jax' serves it")
+    element_fns = ElementFns(mask_fn, score_fn, q_len, kv_len)
+    batch_index = jnp.arange(batch, dtype=jnp.int32)
+    head_index = jnp.arange(heads_q, dtype=jnp.int32)
   mods = KernelMods(soft_cap=None if logits_soft_cap is None else float(logits_soft_cap),
                     segment_ids=q_segment_ids is not None, alibi=alibi_slopes is not None,
                     dropout_rate=dropout_rate,
-                    broadcast_dropout=bool(broadcast_dropout) and dropout_rate > 0.0)
-  return mods, ModArrays(q_segment_ids, kv_segment_ids, alibi_slopes, prefix)
+                    broadcast_dropout=bool(broadcast_dropout) and dropout_rate > 0.0,
+                    element_fns=element_fns)
+  return mods, ModArrays(q_segment_ids, kv_segment_ids, alibi_slopes, prefix, batch_index,
+                         head_index)
 
 
 class Columns(NamedTuple):
@@ -179,6 +332,43 @@ def _load_ids(ids_ref, batch, start, size: int, layout):
   return plgpu.load(ids_ref.at[batch, pl.ds(start, size)], layout=layout, optimized=False)
 
 
+def user_indices(fns: ElementFns, positions):
+  """(q_idx, kv_idx) for the user's functions: tile positions clipped into the unpadded
+  sequences, as `score_mods.Grid.user_indices` does on the portable path."""
+  q_pos, kv_pos = positions
+  return jnp.clip(q_pos, 0, fns.q_len - 1), jnp.clip(kv_pos, 0, fns.kv_len - 1)
+
+
+def element_keep(fns: ElementFns, batch, head, positions):
+  """mask_fn on a tile: bool in the tile's shape and layout (positions from
+  `common.tile_positions`), True = attend; None without a mask_fn. Pure: a block table (which
+  blocks mask_fn hides entirely) can call it on any tile of positions."""
+  if fns.mask_fn is None:
+    return None
+  q_idx, kv_idx = user_indices(fns, positions)
+  keep = _inlined(fns.mask_fn, batch, head, q_idx, kv_idx)
+  return jnp.broadcast_to(jnp.asarray(keep).astype(jnp.bool_), q_idx.shape)
+
+
+def element_scores(fns: ElementFns, s, batch, head, positions, *, with_slope: bool):
+  """score_fn on the natural-log logit tile `s`: (score_fn(s, ...), d score_fn / d s or None).
+  The slope (for the backward kernels) comes from `jax.jvp` traced in the kernel."""
+  q_idx, kv_idx = user_indices(fns, positions)
+  fn = lambda x: jnp.broadcast_to(fns.score_fn(x, batch, head, q_idx, kv_idx),
+                                  s.shape).astype(jnp.float32)
+  if not with_slope:
+    return _inlined(fn, s), None
+  return _inlined(lambda x: jax.jvp(fn, (x,), (jnp.ones_like(x),)), s)
+
+
+class LogitGrad(NamedTuple):
+  """What the backward kernels need to take dS back from the kernel's logit to the raw scaled
+  score: the soft-cap's tanh of the tile and score_fn's slope (None where absent)."""
+
+  tanh_s: Any = None
+  score_fn_slope: Any = None
+
+
 @dataclasses.dataclass(frozen=True)
 class TileScorer:
   """Turns the raw q.k^T tiles of one compute warpgroup into base-2 logits.
@@ -195,38 +385,47 @@ class TileScorer:
   row_start: Any
   kv_length: Any
   transposed: bool = False
+  backward: bool = False  # the backward kernels: also return score_fn's slope
   row_segment_ids: Any = None  # int32 [rows], WGMMA row layout
   slope: Any = None  # float32 scalar: the ALiBi slope of the current head
   dropout_prefix: Any = None  # uint32 scalar: the dropout hash prefix of (batch, current head)
+  user_batch: Any = None  # int32 scalar: the global batch index mask_fn / score_fn get
+  user_head: Any = None  # int32 scalar: the global query head mask_fn / score_fn get
 
   @classmethod
   def create(cls, mods: KernelMods, spec: mask_lib.MaskSpec, scale: float, refs: ModArrays, *,
-             batch, row_start, rows: int, kv_length, head=None,
-             transposed: bool = False) -> TileScorer:
+             batch, row_start, rows: int, kv_length, head=None, transposed: bool = False,
+             backward: bool = False) -> TileScorer:
     """`head` None: the head changes per step group (dK/dV over a GQA group): see `for_head`."""
     row_ids = None
     if mods.segment_ids:
       row_ref = refs.kv_segment_ids if transposed else refs.q_segment_ids
       row_ids = _load_ids(row_ref, batch, row_start, rows, common.WGMMA_ROW)
+    user_batch = None if mods.element_fns is None else refs.batch_index[batch]
     scorer = cls(mods=mods, spec=spec, scale=scale, refs=refs, batch=batch, row_start=row_start,
-                 kv_length=kv_length, transposed=transposed, row_segment_ids=row_ids)
+                 kv_length=kv_length, transposed=transposed, backward=backward,
+                 row_segment_ids=row_ids, user_batch=user_batch)
     return scorer if head is None else scorer.for_head(head)
 
   def for_head(self, head) -> TileScorer:
-    """This scorer for query head `head` (reads its ALiBi slope and dropout hash prefix)."""
+    """This scorer for query head `head` (reads its ALiBi slope, dropout hash prefix, global
+    index)."""
     scorer = self
     if self.mods.alibi:
       scorer = dataclasses.replace(scorer, slope=self.refs.alibi_slopes[head])
     if self.mods.dropout_rate > 0.0:
       scorer = dataclasses.replace(scorer,
                                    dropout_prefix=self.refs.dropout_prefix[self.batch, head])
+    if self.mods.element_fns is not None:
+      scorer = dataclasses.replace(scorer, user_head=self.refs.head_index[head])
     return scorer
 
-  def columns(self, block, size: int) -> Columns:
+  def columns(self, block, size: int, *, masked: bool = True) -> Columns:
     """The columns of the next tile: block `block` of `size` positions. Call it before waiting
-    for the tile's data, so that loading the segment ids overlaps the wait."""
+    for the tile's data, so that loading the segment ids overlaps the wait. An unmasked tile
+    needs no segment ids (see `__call__`)."""
     cols = Columns(block, size)
-    if not self.mods.segment_ids:
+    if not (self.mods.segment_ids and masked):
       return cols
     col_ref = self.refs.q_segment_ids if self.transposed else self.refs.kv_segment_ids
     return cols._replace(
@@ -235,18 +434,33 @@ class TileScorer:
   def __call__(self, s, cols: Columns, *, masked: bool):
     """Base-2 logits of the raw float32 tile `s` (WGMMA layout), -inf where hidden.
 
-    masked: apply the positional mask (causal / window / key length); the range ends need it,
-    the tiles in between do not. Segment ids, when given, mask every tile.
-    Returns (logits, tanh_s): tanh_s is the soft-cap's tanh of the tile (for `soft_cap_grad`),
-    None without a soft-cap.
+    masked: apply the positional mask (causal / window / key length) and, with segment ids, the
+    segment mask. The positional range ends need it, the tiles in between do not; with segment
+    ids the block table decides (an unmasked tile holds one segment on both sides). mask_fn,
+    when given, masks every tile.
+    Returns (logits, LogitGrad): for `logit_grad` in the backward kernels.
     """
     mods = self.mods
+    fns = mods.element_fns
     positions = None
-    if mods.alibi:
+    if mods.alibi or fns is not None:
       positions = self._positions(s, cols)
+    if mods.alibi:
       distance = self._alibi_distance(positions)
-    tanh_s = None
-    if mods.soft_cap is None:
+    tanh_s = score_fn_slope = None
+    if fns is not None and fns.score_fn is not None:
+      # score_fn takes the natural-log logit: form it, apply score_fn, then cap or go to base 2.
+      x = s * self.scale
+      if mods.alibi:
+        x = x - self.slope * distance
+      x, score_fn_slope = element_scores(fns, x, self.user_batch, self.user_head, positions,
+                                         with_slope=self.backward)
+      if mods.soft_cap is None:
+        s = x * common.LOG2E
+      else:
+        tanh_s = jnp.tanh(x * (1.0 / mods.soft_cap))
+        s = tanh_s * (mods.soft_cap * common.LOG2E)
+    elif mods.soft_cap is None:
       s = s * (self.scale * common.LOG2E)
       if mods.alibi:
         s = s - (self.slope * common.LOG2E) * distance
@@ -261,13 +475,16 @@ class TileScorer:
       if positions is None:
         positions = self._positions(s, cols)
       keep = common.tile_mask(self.spec, positions, self.kv_length)
-    if mods.segment_ids:
+    if mods.segment_ids and masked:
       same = (common.broadcast_rows(self.row_segment_ids, s.shape)
               == common.broadcast_cols(cols.segment_ids, s.shape))
       keep = same if keep is None else keep & same
+    if fns is not None and fns.mask_fn is not None:
+      allowed = element_keep(fns, self.user_batch, self.user_head, positions)
+      keep = allowed if keep is None else keep & allowed
     if keep is not None:
       s = jnp.where(keep, s, -jnp.inf)
-    return s, tanh_s
+    return s, LogitGrad(tanh_s, score_fn_slope)
 
   def dropout_keep(self, s, cols: Columns):
     """bool tile (the shape and layout of `s`): the weights that survive dropout; None without
@@ -297,6 +514,11 @@ class TileScorer:
     return jnp.abs(diff).astype(jnp.float32)
 
 
-def soft_cap_grad(ds, tanh_s):
-  """dS with respect to the uncapped logit: d(cap * tanh(x / cap))/dx = 1 - tanh^2."""
-  return ds if tanh_s is None else ds * (1.0 - tanh_s * tanh_s)
+def logit_grad(ds, grad: LogitGrad):
+  """dS with respect to the raw scaled score (before score_fn and the soft-cap): times the
+  cap's derivative d(cap * tanh(x / cap))/dx = 1 - tanh^2, then score_fn's slope."""
+  if grad.tanh_s is not None:
+    ds = ds * (1.0 - grad.tanh_s * grad.tanh_s)
+  if grad.score_fn_slope is not None:
+    ds = ds * grad.score_fn_slope
+  return ds

@@ -16,9 +16,11 @@ import jax
 from pallas_attn import mask as mask_lib
 from pallas_attn import numerics
 from pallas_attn import sharding
+from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import bwd
 from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import fwd
+from pallas_attn.mosaic_gpu import gqa_pack
 from pallas_attn.mosaic_gpu import mods as mods_lib
 
 _WGS = config_lib.COMPUTE_WARPGROUPS
@@ -35,6 +37,8 @@ class _Static:
   dq_cfg: config_lib.KernelConfig
   dkv_cfg: config_lib.KernelConfig
   mods: mods_lib.KernelMods = mods_lib.KernelMods()
+  # Decode-shaped GQA: the group's query heads packed into the rows of one tile (`gqa_pack`).
+  pack_gqa: bool = False
 
   # Both sequences are padded to whole tiles of every kernel (padded rows and keys fail the
   # length test).
@@ -66,7 +70,7 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
               dkv_cfg: config_lib.KernelConfig | None = None,
               logits_soft_cap: float | None = None, q_segment_ids=None, kv_segment_ids=None,
               alibi_slopes=None, dropout_rate: float = 0.0, dropout_seed=None,
-              broadcast_dropout: bool = False):
+              broadcast_dropout: bool = False, mask_fn=None, score_fn=None):
   """q [B, T, Hq, D], k/v [B, S, Hkv, D] (bf16/f16), lengths int32 [B] or None.
   `fwd_cfg`, `dq_cfg`, `dkv_cfg` override the table's tiles of the forward, dQ and dK/dV kernels
   (benchmarks/tune.py compares variants with them).
@@ -85,13 +89,25 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
     dropout_seed: uint32 or int32 [2] (`pallas_attn.dropout.seed_from_key(key)`); needed when
       dropout_rate > 0.
     broadcast_dropout: one keep-mask for every batch element and head.
+    mask_fn, score_fn: FlexAttention-style functions (as `pallas_attn.attention` takes them),
+      traced into the kernels: mask_fn(b, h, q_idx, kv_idx) -> bool and
+      score_fn(s, b, h, q_idx, kv_idx) -> s on each tile, with b, h int32 scalars (global batch
+      index, query head) and q_idx, kv_idx int32 tiles of positions. Functions that close over
+      arrays or use primitives the Mosaic GPU lowering lacks raise NotImplementedError
+      (`mods.element_fns_problem`).
 
   Returns (out [B, T, Hq, D], lse [B, Hq, T] float32 with +inf on rows that saw no key).
   """
   mods, mod_arrays = mods_lib.from_arguments(q, k, logits_soft_cap, q_segment_ids,
                                              kv_segment_ids, alibi_slopes, dropout_rate,
-                                             dropout_seed, broadcast_dropout)
+                                             dropout_seed, broadcast_dropout, mask_fn=mask_fn,
+                                             score_fn=score_fn)
   static = _static(q.shape[-1], scale, spec, interpret, fwd_cfg, dq_cfg, dkv_cfg, mods)
+  position_free_mods = mods == mods_lib.KernelMods(soft_cap=mods.soft_cap)
+  if gqa_pack.should_pack(q.shape, k.shape[2], spec, k.shape[1], position_free_mods,
+                          _WGS * static.fwd_cfg.block_q):
+    static = dataclasses.replace(
+        static, spec=gqa_pack.positional_mask(spec, q.shape[1], k.shape[1]), pack_gqa=True)
   return _attention(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
 
 
@@ -116,34 +132,77 @@ def backward(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   return _backward_pass(static, q, k, v, d_out, lse, delta, q_lengths, kv_lengths)
 
 
+def _visibility(static: _Static, cfg: config_lib.KernelConfig, q_lengths, kv_lengths,
+                q_len: int, kv_len: int, mod_arrays: mods_lib.ModArrays):
+  """The tiles of `cfg`'s grid over the padded lengths that positions and segment ids leave
+  visible (`block_table.block_visibility`); None without segment ids: the kernels then skip by
+  position alone, in the kernel."""
+  if not static.mods.segment_ids:
+    return None
+  return block_table.block_visibility(
+      static.spec, q_lengths, kv_lengths, block_q=cfg.block_q, block_kv=cfg.block_kv,
+      num_q_blocks=q_len // cfg.block_q, num_kv_blocks=kv_len // cfg.block_kv,
+      q_segment_ids=mod_arrays.q_segment_ids, kv_segment_ids=mod_arrays.kv_segment_ids)
+
+
+def _table(visibility, build):
+  return None if visibility is None else build(visibility)
+
+
 def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
+  if static.pack_gqa:
+    kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
+    out, lse = _forward_pass(dataclasses.replace(static, pack_gqa=False),
+                             gqa_pack.pack_rows(q, kv_heads), k, v,
+                             gqa_pack.pack_lengths(q_lengths, group), kv_lengths, *mod_arrays)
+    return gqa_pack.unpack_rows(out, group), gqa_pack.unpack_stats(lse, group)
   q_len = q.shape[1]
   padded = mask_lib.pad_to_tiles(q, k, v, q_lengths, kv_lengths, static.q_multiple,
                                  static.kv_multiple)
-  mod_arrays = mods_lib.ModArrays(*mod_arrays).padded(padded[0].shape[1], padded[1].shape[1])
+  padded_lens = padded[0].shape[1], padded[1].shape[1]
+  mod_arrays = mods_lib.ModArrays(*mod_arrays)
+  table = _table(_visibility(static, static.fwd_cfg, *padded[3:], *padded_lens, mod_arrays),
+                 block_table.query_major)
   out, lse = fwd.forward(*padded, scale=static.scale, spec=static.spec, cfg=static.fwd_cfg,
-                         interpret=static.interpret, mods=static.mods, mod_arrays=mod_arrays)
+                         interpret=static.interpret, mods=static.mods,
+                         mod_arrays=mod_arrays.padded(*padded_lens), table=table)
   return out[:, :q_len], lse[:, :, :q_len]
 
 
 def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
                    *mod_arrays):
+  if static.pack_gqa:
+    kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
+    dq, dk, dv = _backward_pass(
+        dataclasses.replace(static, pack_gqa=False), gqa_pack.pack_rows(q, kv_heads), k, v,
+        gqa_pack.pack_rows(d_out, kv_heads), gqa_pack.pack_stats(lse, kv_heads),
+        gqa_pack.pack_stats(delta, kv_heads), gqa_pack.pack_lengths(q_lengths, group),
+        kv_lengths, *mod_arrays)
+    return gqa_pack.unpack_rows(dq, group), dk, dv
   q_len, kv_len = q.shape[1], k.shape[1]
   q, k, v, q_lengths, kv_lengths = mask_lib.pad_to_tiles(
       q, k, v, q_lengths, kv_lengths, static.q_multiple, static.kv_multiple)
   d_out, lse, delta = mask_lib.pad_row_inputs(d_out.astype(q.dtype), lse, delta,
                                               static.q_multiple)
-  mod_arrays = mods_lib.ModArrays(*mod_arrays).padded(q.shape[1], k.shape[1])
+  mod_arrays = mods_lib.ModArrays(*mod_arrays)
+  dq_visibility = _visibility(static, static.dq_cfg, q_lengths, kv_lengths, q.shape[1],
+                              k.shape[1], mod_arrays)
+  dkv_visibility = dq_visibility
+  if (static.dkv_cfg.block_q, static.dkv_cfg.block_kv) != (static.dq_cfg.block_q,
+                                                           static.dq_cfg.block_kv):
+    dkv_visibility = _visibility(static, static.dkv_cfg, q_lengths, kv_lengths, q.shape[1],
+                                 k.shape[1], mod_arrays)
   common = dict(scale=static.scale, spec=static.spec, interpret=static.interpret,
-                mods=static.mods, mod_arrays=mod_arrays)
-  dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg, **common)
+                mods=static.mods, mod_arrays=mod_arrays.padded(q.shape[1], k.shape[1]))
+  dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg,
+              table=_table(dq_visibility, block_table.query_major), **common)
   if static.interpret:
     # The interpreter keeps one global model of shared memory and runs each warpgroup as a
     # thread that blocks on barriers; two kernels interpreted at once (XLA may run the
     # independent dQ and dK/dV calls concurrently) can deadlock. Order them.
     dq, q = jax.lax.optimization_barrier((dq, q))
   dk, dv = bwd.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, cfg=static.dkv_cfg,
-                   **common)
+                   table=_table(dkv_visibility, block_table.key_major), **common)
   return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
 
 
@@ -153,7 +212,8 @@ def _sharded_forward(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_array
                                       auto_axes=not static.interpret)
 
 
-# mod_arrays: q_segment_ids, kv_segment_ids, alibi_slopes, dropout_prefix (each None when absent).
+# mod_arrays: q_segment_ids, kv_segment_ids, alibi_slopes, dropout_prefix, batch_index,
+# head_index (each None when absent).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   return _sharded_forward(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
@@ -171,8 +231,8 @@ def _attention_bwd(static, res, cotangents):
       functools.partial(_backward_pass, static), sharding.BACKWARD,
       q, k, v, d_out, lse, numerics.delta(d_out, out), q_lengths, kv_lengths, *mod_arrays,
       auto_axes=not static.interpret)
-  # No cotangent for the lengths, the segment ids, the dropout prefix nor the ALiBi slopes
-  # (constants: see `mods.constant_slopes`).
+  # No cotangent for the lengths, the segment ids, the dropout prefix, the indices nor the ALiBi
+  # slopes (constants: see `mods.constant_slopes`).
   return (dq, dk, dv, None, None) + (None,) * len(mod_arrays)
 
 
