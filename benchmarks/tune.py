@@ -8,10 +8,10 @@ A variant (VARIANTS) changes some fields of the forward, dQ and dK/dV configs of
 For each shape: every variant's calls (fwd, and fwd_bwd through jax.vjp) compile in threads
 (before any is timed: nothing compiles while a call is timed); then the default runs on fresh
 random inputs, and each variant, with the allocator poisoned with NaN before its first call,
-must match the default's outputs on the same inputs (max |variant - default| / max |default| <= --max-rel-err,
-no NaN) before it is timed (`timing.time_compiled`: warm-up, K calls enqueued, one sync, median
-of the repeats). A variant that does not fit the shared memory, matches nothing new (the same
-kernels as the default), fails or is wrong gets a row saying so and is not timed. Past --budget-s
+must match the default's outputs on the same inputs (max |variant - default| / max |default|
+<= --max-rel-err, no NaN) before it is timed (`timing.time_compiled`: warm-up, K calls
+enqueued, one sync, median of the repeats). A variant that does not fit the shared memory,
+matches nothing new (the same kernels as the default), fails or is wrong gets a row saying so and is not timed. Past --budget-s
 the rest is recorded as skipped. The table printed at the end has one line per variant, TFLOP/s
 and the ratio to the default per shape and pass; the winners go into config.DEFAULTS.
 
