@@ -11,9 +11,11 @@ random inputs, and each variant, with the allocator poisoned with NaN before its
 must match the default's outputs on the same inputs (max |variant - default| / max |default|
 <= --max-rel-err, no NaN) before it is timed (`timing.time_compiled`: warm-up, K calls
 enqueued, one sync, median of the repeats). A variant that does not fit the shared memory,
-matches nothing new (the same kernels as the default), fails or is wrong gets a row saying so and is not timed. Past --budget-s
-the rest is recorded as skipped. The table printed at the end has one line per variant, TFLOP/s
-and the ratio to the default per shape and pass; the winners go into config.DEFAULTS.
+matches nothing new (the same kernels as the default), fails or is wrong gets a row saying so
+and is not timed. Past --budget-s the rest is recorded as skipped. After the variants the
+default is timed again (`default_again`: the drift to read the ratios against). The table
+printed at the end has one line per variant, TFLOP/s and the ratio to the default per shape and
+pass; the winners go into config.DEFAULTS.
 
 --ptxas records each newly compiled kernel's registers and spills (ptxas -v, through Mosaic GPU's
 MOSAIC_GPU_DUMP_PTXAS, read from the process's stdout), compiling one call at a time.
