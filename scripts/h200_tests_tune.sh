@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# One device call: the `gpu` tests selected by TEST_K over TEST_SELECT, then benchmarks/tune.py
+# (TUNE_ARGS), logs to $OUT. Needs nothing beyond the repository (no tokamax).
+set -u
+export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/out}
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv
+if [ -n "${TEST_SELECT:-}" ]; then
+  # shellcheck disable=SC2086
+  XLA_PYTHON_CLIENT_PREALLOCATE=false timeout "${TEST_TIMEOUT:-240}" \
+    python3 -m pytest -o addopts="" -m gpu -n "${TEST_WORKERS:-12}" -v -p no:cacheprovider \
+    --timeout="$(( ${TEST_TIMEOUT:-240} - 15 ))" --timeout-method=thread \
+    ${TEST_K:+-k "$TEST_K"} $TEST_SELECT >"$OUT/gpu_tests.log" 2>&1
+  grep -E "PASSED|FAILED|ERROR|Timeout|passed|failed" "$OUT/gpu_tests.log" | sed 's/ *\[ *[0-9]*%\]//' \
+    | grep -v PASSED | tail -30
+  echo "passed: $(grep -c PASSED "$OUT/gpu_tests.log")"
+fi
+if [ -n "${TUNE_ARGS:-}" ]; then
+  # shellcheck disable=SC2086
+  timeout "${TUNE_TIMEOUT:-300}" python3 -m benchmarks.tune $TUNE_ARGS --out "$OUT/tune.jsonl" \
+    >"$OUT/tune.log" 2>&1
+  grep -v "Autotuning cache miss\|cuda_timer" "$OUT/tune.log" | tail -60
+fi
