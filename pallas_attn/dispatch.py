@@ -66,13 +66,15 @@ _ALL_FEATURES = frozenset(("bias", "mask", "segment_ids", "causal_alignment", "a
 # from `mask.py` (block ranges and `tile_mask` -> `mask.visible`), which folds the alignment
 # offset in; segment ids, one ALiBi slope per query head (constants there: differentiating them
 # raises, see `mosaic_gpu.mods.constant_slopes`) and the soft-cap are computed in the kernels
-# (`mosaic_gpu.mods`). Bias, boolean masks and mask_fn/score_fn are not in the kernels yet: the
+# (`mosaic_gpu.mods`), and so are a bias (differentiable: a dbias kernel reduces its gradient
+# to its own broadcast shape) and a boolean mask, read tile by tile from their
+# [batch|1, heads_q|1, q_len|1, kv_len|1] arrays. mask_fn/score_fn are not in the kernels: the
 # portable path serves them. Dropout is in the kernels (`mosaic_gpu.ops.attention(...,
 # dropout_rate=, dropout_seed=)`, checked in the interpreter and lowered for CUDA) but is not
 # listed here until the compiled kernels are verified on an H200
 # (tests/test_mosaic_gpu_dropout.py's `gpu` tests): until then the portable path serves it.
 SUPPORTED_FEATURES = {
-    "mosaic_gpu": frozenset(("causal_alignment", "segment_ids", "alibi_slopes",
+    "mosaic_gpu": frozenset(("bias", "mask", "causal_alignment", "segment_ids", "alibi_slopes",
                              "logits_soft_cap")),
     "blocked_jax": _ALL_FEATURES,
     "reference": _ALL_FEATURES,
@@ -107,18 +109,18 @@ def _mosaic_gpu_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths,
   # `choose` refuses these before tracing; kept here so that no path can drop them silently.
   kernel_mods = score_mods.ScoreMods(logits_soft_cap=mods.logits_soft_cap)
   slopes = arrays.alibi_slopes
-  if (mods != kernel_mods or any(x is not None for x in (arrays.bias, arrays.mask,
-                                                          arrays.dropout_seed))
+  if (mods != kernel_mods or arrays.dropout_seed is not None
       or (slopes is not None and slopes.shape[0] != 1)):
-    raise NotImplementedError("implementation='mosaic_gpu' does not support bias, mask, "
-                              "dropout, mask_fn, score_fn or per-batch ALiBi slopes yet")
+    raise NotImplementedError("implementation='mosaic_gpu' does not support dropout, mask_fn, "
+                              "score_fn or per-batch ALiBi slopes yet")
   if interpret:
     interpreter_threads.warn_if_too_few()
   from pallas_attn.mosaic_gpu import ops  # imported lazily: it pulls in the Mosaic GPU lowering
   return ops.attention(query, key, value, q_lengths, kv_lengths, scale=scale, spec=spec,
                        interpret=interpret, logits_soft_cap=mods.logits_soft_cap,
                        q_segment_ids=arrays.q_segment_ids, kv_segment_ids=arrays.kv_segment_ids,
-                       alibi_slopes=None if slopes is None else slopes[0])
+                       alibi_slopes=None if slopes is None else slopes[0], bias=arrays.bias,
+                       mask=arrays.mask)
 
 
 _IMPLEMENTATIONS = {

@@ -105,9 +105,6 @@ BAD_INPUTS = [
     ("mosaic_head_dim", dict(q=(B, T, HQ, 40), k=(B, S, HKV, 40), dtype=jnp.bfloat16,
                              implementation="mosaic_gpu", interpret=True), ValueError,
      r"mosaic_gpu.*head_dim.*40"),
-    ("mosaic_bias", dict(dtype=jnp.bfloat16, bias=((1, 1, T, S), jnp.bfloat16),
-                         implementation="mosaic_gpu", interpret=True),
-     NotImplementedError, r"implementation='mosaic_gpu' does not support bias"),
     # The score-modification arguments.
     ("segment_ids_single_needs_equal_lengths", dict(abstract=dict(segment_ids=((B, T), jnp.int32))),
      ValueError, rf"single segment_ids array needs q_len == kv_len \(got {T} and {S}\)"),

@@ -295,11 +295,16 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
         mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays()):
   """(dK, dV) [B, S, Hkv, D] in k.dtype, summed over each kv head's query-head group.
 
+  A bias / mask in `mod_arrays` is transposed here (one XLA transpose: a copy of its size) for
+  the kernel to read [keys, queries] tiles.
+
   When one warpgroup cannot hold both accumulators in registers (`cfg.split_dkv`: head_dim 256,
   2 x 64 x 256 float32 = 256 registers per thread), dV and dK come from two launches, each
   recomputing P.
   """
   passes = (("dv",), ("dk",)) if cfg.split_dkv else (("dk", "dv"),)
+  # The kernel's tiles are [keys, queries]: it reads bias and mask transposed.
+  mod_arrays = mod_arrays.transposed_pairs()
   grads = {}
   for outputs in passes:
     grads.update(zip(outputs, _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
