@@ -170,6 +170,8 @@ def _per_shard(call, split: _Split, results: Sequence[str]):
 def _shard_map(call, mesh, split: _Split, arrays, axes: Sequence[str], results: Sequence[str]):
   in_specs = tuple(split.spec(a) for a in axes)
   given = {a: jax.typeof(x).sharding for a, x in zip(reversed(axes), reversed(arrays))}
+  # (An operand off the mesh, e.g. a bias made inside the jit, has no sharding to give back.)
+  given = {a: s for a, s in given.items() if not getattr(s, "mesh", mesh).empty}
   arrays = [jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(arrays, in_specs)]
   out_specs = tuple(split.spec(a) for a in results)
   # check_vma=False: a pass's loops need not type their carries as varying over the mesh.
