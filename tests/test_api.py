@@ -402,14 +402,15 @@ def test_default_dispatch_on_cpu(dtype):
 
 _FEATURE_FLAGS = ["has_bias", "has_mask", "has_segment_ids", "bottom_right", "has_alibi",
                   "alibi_per_batch", "has_soft_cap", "has_dropout", "has_mask_fn", "has_score_fn"]
-_KERNEL_FEATURE_FLAGS = ("has_segment_ids", "bottom_right", "has_alibi", "has_soft_cap")
+_KERNEL_FEATURE_FLAGS = ("has_bias", "has_mask", "has_segment_ids", "bottom_right", "has_alibi",
+                         "has_soft_cap")
 
 
 @pytest.mark.parametrize("flag", _FEATURE_FLAGS)
 def test_dispatch_of_each_feature(flag):
   """In the interpreter (so that dtype, head_dim and GPU are no obstacle), the Mosaic GPU kernels
-  are chosen exactly for what they serve (bottom-right alignment, segment ids, per-head ALiBi
-  slopes, soft-cap); else blocked_jax, which, like the reference, serves every feature. Asking
+  are chosen exactly for what they serve (bias, mask, bottom-right alignment, segment ids,
+  per-head ALiBi slopes, soft-cap); else blocked_jax, which, like the reference, serves every feature. Asking
   mosaic_gpu for the others raises NotImplementedError naming the feature."""
   call = dataclasses.replace(_call(dtype=jnp.bfloat16, interpret=True), **{flag: True})
   impls = dispatch._IMPLEMENTATIONS

@@ -26,8 +26,9 @@ Order on the natural-log logits of a tile (the semantics issue #5 sets for every
   are transposed, so that kernel gets bias and mask transposed ([.., kv_len|1, q_len|1]:
   `ModArrays.transposed_pairs`, one XLA transpose of each): the lowering has neither a
   transposed load from GMEM nor a register transpose, and a transpose through shared memory
-  defeats the dK/dV kernel's layout inference. The bias gradient is dS itself (the gradient of the natural-log logit, after the
-  soft-cap's derivative), summed over the broadcast axes by the dbias kernel (`dbias.py`).
+  defeats the dK/dV kernel's layout inference (jax 0.11.2: it fails after minutes of search). The
+  bias gradient is dS itself (the gradient of the natural-log logit, after the soft-cap's
+  derivative), summed over the broadcast axes by the dbias kernel (`dbias.py`).
 - Segment ids: query i sees key j only where q_segment_ids[b, i] == kv_segment_ids[b, j]. A call
   with segment ids element-masks every tile. Blocks are not skipped by segment (a packed batch
   with many short documents still visits every block the positional mask allows): that would
@@ -105,7 +106,6 @@ class KernelMods:
     mask with a head axis)."""
     return (self.alibi or self.dropout_rate > 0.0 or any(
         axes is not None and axes.heads for axes in (self.bias, self.mask)))
-
 
 
 class ModArrays(NamedTuple):
