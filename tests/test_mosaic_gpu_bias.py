@@ -208,17 +208,19 @@ def test_bias_and_mask_arguments_are_checked():
 
 
 def _gpu_params():
-  """Every case at 2 x 4 query heads over 2 kv heads, head_dim 128 (and 64 for one), as
-  1000 x 1000 and 1000 x 1537."""
+  """Every case at 2 x 4 query heads over 2 kv heads, head_dim 128, as 1000 x 1000 and
+  1000 x 1537; two at head_dim 64 and 256 (the split dK/dV launches)."""
   params = []
   for case in _CASES.values():
     for q_len, kv_len in ((1000, 1000), (1000, 1537)):
       c = case.replace(batch=2, heads_q=4, heads_kv=2, q_len=q_len, kv_len=kv_len, head_dim=128,
                        name=f"{case.name.rsplit('_', 1)[0]}_{q_len}x{kv_len}")
       params.append(pytest.param(c, id=f"{c.name}-d128"))
-  c = _CASES["full_bias_causal_77x150"].replace(batch=2, heads_q=4, heads_kv=2, q_len=1000,
-                                                 kv_len=1000, head_dim=64)
-  params.append(pytest.param(c, id="full_bias_causal_1000x1000-d64"))
+  for name, head_dim in (("full_bias_causal_77x150", 64),
+                         ("head_bias_batch_mask_gqa_causal_77x150", 256)):
+    c = _CASES[name].replace(batch=2, heads_q=4, heads_kv=2, q_len=1000, kv_len=1000,
+                             head_dim=head_dim, name=name.replace("77x150", "1000x1000"))
+    params.append(pytest.param(c, id=f"{c.name}-d{head_dim}"))
   return params
 
 

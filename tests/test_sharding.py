@@ -212,3 +212,27 @@ def test_batch_head_parallel_sums_a_broadcast_bias_gradient(axis_type, bias_shap
   want = stand_in(q, k, None, None)
   for g, w in zip(got, want):
     np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+
+
+def test_mosaic_gpu_sharded_program_with_bias_and_mask():
+  """As above, with a bias shared by the batch ([1, H, T, S], split over heads like q) and a key
+  mask ([B, 1, 1, S]): nothing is gathered; the bias gradient's batch parts are summed (an
+  all-reduce, not a gather). Compiled only."""
+  mesh = multidevice.cpu_mesh((2, 2), ("data", "model"))
+  q = jax.ShapeDtypeStruct((2, 40, 4, 64), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P("data", None, "model")))
+  kv = jax.ShapeDtypeStruct((2, 40, 2, 64), jnp.bfloat16, sharding=q.sharding)
+  bias = jax.ShapeDtypeStruct((1, 4, 40, 40), jnp.float32,
+                              sharding=NamedSharding(mesh, P(None, "model")))
+  mask = jax.ShapeDtypeStruct((2, 1, 1, 40), jnp.bool_, sharding=NamedSharding(mesh, P("data")))
+
+  def loss(q, k, v, bias, mask, do):
+    out = pallas_attn.attention(q, k, v, bias, mask, is_causal=True,
+                                implementation="mosaic_gpu", interpret=True)
+    return (out.astype(jnp.float32) * do).sum()
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, kv, kv, bias, mask,
+                                                                 q).compile()
+  collectives = set(multidevice.collectives(compiled))
+  assert not GATHERS & collectives, collectives
+  assert "all-reduce" in collectives
