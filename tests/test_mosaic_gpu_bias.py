@@ -194,6 +194,27 @@ def test_dbias_kernel_runs_only_when_the_bias_is_differentiated():
   assert with_grad > without >= 3
 
 
+def test_key_bias_and_mask_make_no_quadratic_value():
+  """A bias and a mask over the keys ([B, 1, 1, S]) keep the kernel path O(N), forward and
+  backward, the bias gradient included (its kernel writes block_q partial rows, not q_len)."""
+  q_len, kv_len = 200, 330
+  q = jax.ShapeDtypeStruct((2, q_len, 2, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((2, kv_len, 1, 64), jnp.bfloat16)
+  bias = jax.ShapeDtypeStruct((2, 1, 1, kv_len), jnp.float32)
+  mask = jax.ShapeDtypeStruct((2, 1, 1, kv_len), jnp.bool_)
+
+  def loss(q, k, v, bias, mask, do):
+    out = pallas_attn.attention(q, k, v, bias, mask, is_causal=True,
+                                implementation="mosaic_gpu", interpret=True)
+    return jnp.vdot(out, do).astype(jnp.float32)
+
+  fn = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))
+  report = cases.find_quadratic_intermediates(fn, q, kv, kv, bias, mask, q, q_len=q_len,
+                                              kv_len=kv_len)
+  assert not report, report.offenders[:10]
+  assert report.num_values > 100
+
+
 def test_bias_and_mask_arguments_are_checked():
   q = jnp.zeros((2, 64, 2, 64), jnp.bfloat16)
   kw = dict(scale=0.125, spec=mask_lib.MaskSpec(), interpret=True)
