@@ -124,6 +124,10 @@ def _check(case: BiasCase, seed: int, interpret: bool):
     err = cases.rel_err(np.asarray(grads[3], np.float32), want)
     if not err <= _DBIAS_TOL:  # NaN fails too
       failures.append(f"dbias: rel err {err:.3e}")
+  if interpret:
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    if interpret_pallas_call.get_races().races_found:
+      failures.append("the interpreter found a data race")
   assert not failures, f"{case.name}: " + "; ".join(failures)
 
 
