@@ -15,6 +15,7 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 
 from pallas_attn import mask as mask_lib
 from pallas_attn import numerics
@@ -195,7 +196,7 @@ def _attention_bwd(static, res, cotangents):
   with_dbias = dbias_marker is not None
   d_out, _ = cotangents  # the lse leaves the API under stop_gradient
   if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
-    d_out = jax.numpy.zeros_like(out)
+    d_out = jnp.zeros_like(out)
   layout = sharding.with_pairs(sharding.BACKWARD, *_pair_shapes(mod_arrays), dbias=with_dbias)
   grads = sharding.batch_head_parallel(
       functools.partial(_backward_pass, static, with_dbias=with_dbias), layout,
@@ -204,10 +205,9 @@ def _attention_bwd(static, res, cotangents):
   dq, dk, dv = grads[:3]
   # No cotangent for the lengths, the segment ids, the dropout prefix, the mask nor the ALiBi
   # slopes (constants: see `mods.constant_slopes`).
-  d_mods = mods_lib.ModArrays(*mod_arrays)._replace(
-      **{name: None for name in mods_lib.ModArrays._fields})
+  d_mods = mods_lib.ModArrays()
   if with_dbias:
-    d_mods = d_mods._replace(bias=grads[3].astype(mod_arrays[4].dtype))
+    d_mods = d_mods._replace(bias=grads[3].astype(mods_lib.ModArrays(*mod_arrays).bias.dtype))
   return (dq, dk, dv, None, None) + tuple(d_mods)
 
 
