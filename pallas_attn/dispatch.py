@@ -71,13 +71,14 @@ _ALL_FEATURES = frozenset(("bias", "mask", "segment_ids", "causal_alignment", "a
 # offset in; segment ids, one ALiBi slope per query head (constants there: differentiating them
 # raises, see `mosaic_gpu.mods.constant_slopes`), the soft-cap and dropout (the keep-mask
 # regenerated per tile from the same hash as the portable path; verified on an H200 by
-# tests/test_mosaic_gpu_dropout.py's `gpu` tests) are computed in the kernels (`mosaic_gpu.mods`).
-# mask_fn / score_fn are traced into the kernels when they can be (pure functions of the indices
-# and the score: `AttentionCall.element_fns_problem` says when not, and then only the portable
-# path serves the call). Bias and boolean masks are not in the kernels yet: the portable path
-# serves them.
+# tests/test_mosaic_gpu_dropout.py's `gpu` tests) are computed in the kernels (`mosaic_gpu.mods`),
+# and so are a bias (differentiable: a dbias kernel reduces its gradient to its own broadcast
+# shape) and a boolean mask, read tile by tile from their [batch|1, heads_q|1, q_len|1, kv_len|1]
+# arrays. mask_fn / score_fn are traced into the kernels when they can be (pure functions of the
+# indices and the score: `AttentionCall.element_fns_problem` says when not, and then only the
+# portable path serves the call).
 SUPPORTED_FEATURES = {
-    "mosaic_gpu": frozenset(("causal_alignment", "segment_ids", "alibi_slopes",
+    "mosaic_gpu": frozenset(("bias", "mask", "causal_alignment", "segment_ids", "alibi_slopes",
                              "logits_soft_cap", "dropout_rate", "mask_fn", "score_fn")),
     "blocked_jax": _ALL_FEATURES,
     "reference": _ALL_FEATURES,
@@ -124,10 +125,9 @@ def _mosaic_gpu_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths,
                                      broadcast_dropout=mods.broadcast_dropout,
                                      mask_fn=mods.mask_fn, score_fn=mods.score_fn)
   slopes = arrays.alibi_slopes
-  if (mods != kernel_mods or any(x is not None for x in (arrays.bias, arrays.mask))
-      or (slopes is not None and slopes.shape[0] != 1)):
-    raise NotImplementedError("implementation='mosaic_gpu' does not support bias, mask, "
-                              "or per-batch ALiBi slopes yet")
+  if mods != kernel_mods or (slopes is not None and slopes.shape[0] != 1):
+    raise NotImplementedError("implementation='mosaic_gpu' does not support per-batch ALiBi "
+                              "slopes yet")
   if interpret:
     interpreter_threads.warn_if_too_few()
   from pallas_attn.mosaic_gpu import ops  # imported lazily: it pulls in the Mosaic GPU lowering
@@ -138,7 +138,8 @@ def _mosaic_gpu_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths,
                        dropout_rate=mods.dropout_rate,
                        dropout_seed=arrays.dropout_seed if mods.dropout_rate > 0.0 else None,
                        broadcast_dropout=mods.broadcast_dropout,
-                       mask_fn=mods.mask_fn, score_fn=mods.score_fn)
+                       mask_fn=mods.mask_fn, score_fn=mods.score_fn, bias=arrays.bias,
+                       mask=arrays.mask)
 
 
 _IMPLEMENTATIONS = {

@@ -46,7 +46,9 @@ class Layout:
 # The Mosaic GPU kernels' score-modifier operands (`mosaic_gpu.mods.ModArrays`), after the
 # lengths: q_segment_ids [B, T], kv_segment_ids [B, S], alibi_slopes [Hq], dropout_prefix
 # [B, Hq] (the dropout hash state of each global (batch, head): sharded, it stays global),
-# batch_index [B] and head_index [Hq] (the global indices mask_fn / score_fn get).
+# batch_index [B] and head_index [Hq] (the global indices mask_fn / score_fn get), then
+# bias and mask [B|1, Hq|1, T|1, S|1] (their letters depend on which axes broadcast:
+# `with_pairs`).
 _MOD_ARRAYS = ("bt", "bs", "h", "bh", "b", "h")
 # forward(q, k, v, q_lengths, kv_lengths, *mod_arrays) -> (out, lse)
 FORWARD = Layout(operands=("bthd", "bskd", "bskd", "b", "b", *_MOD_ARRAYS),
@@ -54,6 +56,23 @@ FORWARD = Layout(operands=("bthd", "bskd", "bskd", "b", "b", *_MOD_ARRAYS),
 # backward(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *mod_arrays) -> (dq, dk, dv)
 BACKWARD = Layout(operands=("bthd", "bskd", "bskd", "bthd", "bht", "bht", "b", "b", *_MOD_ARRAYS),
                   results=("bthd", "bskd", "bskd"))
+# A size-1 (broadcast) axis of a bias or mask: a letter of its own, never split.
+_BROADCAST_LETTERS = "wxyz"
+
+
+def pair_axes(shape) -> str:
+  """The layout letters of a bias or mask [B|1, Hq|1, T|1, S|1]."""
+  return "".join(full if n > 1 else one
+                 for n, full, one in zip(shape, "bhts", _BROADCAST_LETTERS))
+
+
+def with_pairs(layout: Layout, bias_shape=None, mask_shape=None, dbias: bool = False) -> Layout:
+  """`layout` (FORWARD or BACKWARD) with its bias and mask operands, and with the bias gradient
+  as a last result when `dbias`. A bias gradient over a broadcast batch or head axis is each
+  device's part of a sum: `_per_shard` adds the parts."""
+  pairs = tuple(pair_axes(s) if s is not None else "" for s in (bias_shape, mask_shape))
+  results = layout.results + ((pair_axes(bias_shape),) if dbias else ())
+  return Layout(operands=layout.operands + pairs, results=results)
 
 _SPLIT_LETTERS = "bhk"
 
@@ -123,16 +142,28 @@ def batch_head_parallel(fn: Callable, layout: Layout, *operands, auto_axes: bool
   return _fold_vmap(_partitioned(call, axes, layout.results))(*arrays)
 
 
+def _summed_axes(split: _Split, result: str) -> tuple[str, ...]:
+  """The mesh axes over which a result laid out as `result` is a sum of the devices' parts: the
+  split batch axes when it has no batch axis; the split query-head axes when it has neither the
+  query heads nor split kv heads (dK, dV under MQA; a bias gradient broadcast over heads)."""
+  axes = ()
+  if "b" not in result:
+    axes += _names(split.batch)
+  if "h" not in result and not ("k" in result and split.heads_kv is not None):
+    axes += _names(split.heads_q)
+  return axes
+
+
 def _per_shard(call, split: _Split, results: Sequence[str]):
-  """`call` on one device's shards. With the query heads split and the kv heads whole (MQA), a
-  result over the kv heads (dK, dV) is each device's part of a sum over the query heads: add
-  the parts."""
-  if split.heads_q is None or split.heads_kv is not None:
+  """`call` on one device's shards, the results that are parts of a sum over devices
+  (`_summed_axes`) added up."""
+  summed_axes = [_summed_axes(split, a) for a in results]
+  if not any(summed_axes):
     return call
 
   def summed(*arrays):
-    return tuple(lax.psum(y, split.heads_q) if "k" in a else y
-                 for y, a in zip(call(*arrays), results))
+    return tuple(lax.psum(y, axes) if axes else y
+                 for y, axes in zip(call(*arrays), summed_axes))
 
   return summed
 
@@ -140,6 +171,8 @@ def _per_shard(call, split: _Split, results: Sequence[str]):
 def _shard_map(call, mesh, split: _Split, arrays, axes: Sequence[str], results: Sequence[str]):
   in_specs = tuple(split.spec(a) for a in axes)
   given = {a: jax.typeof(x).sharding for a, x in zip(reversed(axes), reversed(arrays))}
+  # (An operand off the mesh, e.g. a bias made inside the jit, has no sharding to give back.)
+  given = {a: s for a, s in given.items() if not getattr(s, "mesh", mesh).empty}
   arrays = [jax.sharding.reshard(x, NamedSharding(mesh, spec)) for x, spec in zip(arrays, in_specs)]
   out_specs = tuple(split.spec(a) for a in results)
   # check_vma=False: a pass's loops need not type their carries as varying over the mesh.

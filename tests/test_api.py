@@ -107,9 +107,6 @@ BAD_INPUTS = [
     ("mosaic_head_dim", dict(q=(B, T, HQ, 40), k=(B, S, HKV, 40), dtype=jnp.bfloat16,
                              implementation="mosaic_gpu", interpret=True), ValueError,
      r"mosaic_gpu.*head_dim.*40"),
-    ("mosaic_bias", dict(dtype=jnp.bfloat16, bias=((1, 1, T, S), jnp.bfloat16),
-                         implementation="mosaic_gpu", interpret=True),
-     NotImplementedError, r"implementation='mosaic_gpu' does not support bias"),
     # The score-modification arguments.
     ("segment_ids_single_needs_equal_lengths", dict(abstract=dict(segment_ids=((B, T), jnp.int32))),
      ValueError, rf"single segment_ids array needs q_len == kv_len \(got {T} and {S}\)"),
@@ -404,17 +401,17 @@ def test_default_dispatch_on_cpu(dtype):
 
 _FEATURE_FLAGS = ["has_bias", "has_mask", "has_segment_ids", "bottom_right", "has_alibi",
                   "alibi_per_batch", "has_soft_cap", "has_dropout", "has_mask_fn", "has_score_fn"]
-_KERNEL_FEATURE_FLAGS = ("has_segment_ids", "bottom_right", "has_alibi", "has_soft_cap",
-                         "has_dropout", "has_mask_fn", "has_score_fn")
+_KERNEL_FEATURE_FLAGS = ("has_bias", "has_mask", "has_segment_ids", "bottom_right", "has_alibi",
+                         "has_soft_cap", "has_dropout", "has_mask_fn", "has_score_fn")
 
 
 @pytest.mark.parametrize("flag", _FEATURE_FLAGS)
 def test_dispatch_of_each_feature(flag):
   """In the interpreter (so that dtype, head_dim and GPU are no obstacle), the Mosaic GPU kernels
-  are chosen exactly for what they serve (bottom-right alignment, segment ids, per-head ALiBi
-  slopes, soft-cap, traceable mask_fn / score_fn); else blocked_jax, which, like the reference,
-  serves every feature. Asking mosaic_gpu for the others raises NotImplementedError naming the
-  feature."""
+  are chosen exactly for what they serve (bias, mask, bottom-right alignment, segment ids,
+  per-head ALiBi slopes, soft-cap, dropout, traceable mask_fn / score_fn); else blocked_jax,
+  which, like the reference, serves every feature. Asking mosaic_gpu for the others raises
+  NotImplementedError naming the feature."""
   call = dataclasses.replace(_call(dtype=jnp.bfloat16, interpret=True), **{flag: True})
   impls = dispatch._IMPLEMENTATIONS
   feature = call.features()[-1]

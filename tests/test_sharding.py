@@ -181,3 +181,58 @@ def test_mosaic_gpu_sharded_program_runs_per_shard():
   assert not GATHERS & set(multidevice.collectives(compiled))
   assert multidevice.local_shapes(compiled)[:3] == ["bf16[1,40,2,64]", "bf16[1,40,1,64]",
                                                     "bf16[1,40,1,64]"]
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto], ids=lambda t: t.name)
+@pytest.mark.parametrize("bias_shape", [(1, 8, 24, 40), (1, 1, 24, 1)], ids=["1HTS", "11T1"])
+def test_batch_head_parallel_sums_a_broadcast_bias_gradient(axis_type, bias_shape, seed):
+  """The gradient of a bias broadcast over batch (and heads) is, on each device, its shard's
+  part of a sum: the parts are added (`sharding.with_pairs`, `_summed_axes`). A stand-in pass
+  whose "dS" is q summed over head_dim, reduced over the bias's broadcast axes as the dbias
+  kernel reduces."""
+  mesh = multidevice.cpu_mesh((2, 4), ("data", "model"), axis_type)
+  keys = jax.random.split(jax.random.key(seed), 2)
+  q = jax.random.normal(keys[0], (2, 24, 8, 16))
+  k = jax.random.normal(keys[1], (2, 40, 4, 16))
+  bias = jnp.zeros(bias_shape)
+  broadcast = tuple(a for a, n in enumerate(bias_shape) if n == 1)
+
+  def stand_in(q, k, q_lengths, kv_lengths, *mod_arrays):
+    d_s = jnp.einsum("bthd->bht", q)[..., None] * jnp.ones(k.shape[1])  # [B, H, T, S]
+    return q * 2.0, d_s.sum(axis=broadcast, keepdims=True)
+
+  # The stand-in's operands: q, k, the lengths, four other mod arrays, then bias and mask.
+  layout = sharding.with_pairs(sharding.Layout(operands=("bthd", "bskd", "b", "b", "bt", "bs",
+                                                         "h", "bh"), results=("bthd",)),
+                               bias_shape, None, dbias=True)
+  run = lambda q, k, bias: sharding.batch_head_parallel(stand_in, layout, q, k, None, None, None,
+                                                        None, None, None, bias, None)
+  args = _put(mesh, P("data", None, "model"), (q, k)) + [bias]
+  got = jax.jit(run)(*args)
+  want = stand_in(q, k, None, None)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-4)
+
+
+def test_mosaic_gpu_sharded_program_with_bias_and_mask():
+  """As above, with a bias shared by the batch ([1, H, T, S], split over heads like q) and a key
+  mask ([B, 1, 1, S]): nothing is gathered; the bias gradient's batch parts are summed (an
+  all-reduce, not a gather). Compiled only."""
+  mesh = multidevice.cpu_mesh((2, 2), ("data", "model"))
+  q = jax.ShapeDtypeStruct((2, 40, 4, 64), jnp.bfloat16,
+                           sharding=NamedSharding(mesh, P("data", None, "model")))
+  kv = jax.ShapeDtypeStruct((2, 40, 2, 64), jnp.bfloat16, sharding=q.sharding)
+  bias = jax.ShapeDtypeStruct((1, 4, 40, 40), jnp.float32,
+                              sharding=NamedSharding(mesh, P(None, "model")))
+  mask = jax.ShapeDtypeStruct((2, 1, 1, 40), jnp.bool_, sharding=NamedSharding(mesh, P("data")))
+
+  def loss(q, k, v, bias, mask, do):
+    out = pallas_attn.attention(q, k, v, bias, mask, is_causal=True,
+                                implementation="mosaic_gpu", interpret=True)
+    return (out.astype(jnp.float32) * do).sum()
+
+  compiled = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3))).lower(q, kv, kv, bias, mask,
+                                                                 q).compile()
+  collectives = set(multidevice.collectives(compiled))
+  assert not GATHERS & collectives, collectives
+  assert "all-reduce" in collectives

@@ -343,6 +343,8 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
 
   `table`: `block_table.key_major` at (cfg.block_q, cfg.block_kv), without a heads axis (size
   1), or None (the positional ranges).
+  A bias / mask in `mod_arrays` is transposed here (one XLA transpose: a copy of its size) for
+  the kernel to read [keys, queries] tiles.
 
   When one warpgroup cannot hold both accumulators in registers (`cfg.split_dkv`: head_dim 256,
   2 x 64 x 256 float32 = 256 registers per thread), dV and dK come from two launches, each
@@ -355,6 +357,8 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
     raise ValueError("reverse_q_tiles is a forward / dQ option: the dK/dV kernel's grid runs over "
                      "key tiles")
   passes = (("dv",), ("dk",)) if cfg.split_dkv else (("dk", "dv"),)
+  # The kernel's tiles are [keys, queries]: it reads bias and mask transposed.
+  mod_arrays = mod_arrays.transposed_pairs()
   grads = {}
   for outputs in passes:
     grads.update(zip(outputs, _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,

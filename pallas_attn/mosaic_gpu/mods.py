@@ -30,6 +30,16 @@ Order on the natural-log logits of a tile (the semantics issue #5 sets for every
   soft-cap's derivative (`LogitGrad`). Functions that close over arrays, or use primitives the
   Mosaic GPU lowering lacks, cannot be traced: `element_fns_problem` says why (the dispatcher
   then picks the portable path).
+- Bias and boolean mask ([batch|1, heads_q|1, q_len|1, kv_len|1], size-1 axes broadcast): the
+  kernels read each tile's part straight from GMEM into registers (a row or column vector, or a
+  scalar, for the broadcast axes: `PairOperand`). The bias is added to the scaled logits before
+  ALiBi; the mask hides like the positional mask, after the soft-cap, on every tile. dK/dV tiles
+  are transposed, so that kernel gets bias and mask transposed ([.., kv_len|1, q_len|1]:
+  `ModArrays.transposed_pairs`, one XLA transpose of each): the lowering has neither a
+  transposed load from GMEM nor a register transpose, and a transpose through shared memory
+  defeats the dK/dV kernel's layout inference (jax 0.11.2: it fails after minutes of search). The
+  bias gradient is dS itself (the gradient of the natural-log logit, after the soft-cap's
+  derivative), summed over the broadcast axes by the dbias kernel (`dbias.py`).
 - Segment ids: query i sees key j only where q_segment_ids[b, i] == kv_segment_ids[b, j]. A call
   with segment ids runs the kernels over block tables (`block_table`, built outside the kernels
   from per-block min/max ids): tiles whose segments cannot meet are skipped, and only the tiles
@@ -77,10 +87,32 @@ class ElementFns:
 
 
 @dataclasses.dataclass(frozen=True)
+class BroadcastAxes:
+  """Which axes of a bias or mask [batch|1, heads_q|1, q_len|1, kv_len|1] are full (True) rather
+  than broadcast (size 1)."""
+
+  batch: bool
+  heads: bool
+  q: bool
+  kv: bool
+
+  @classmethod
+  def of(cls, shape) -> BroadcastAxes:
+    return cls(*(n > 1 for n in shape))
+
+  def index(self, batch, head, q_start, q_size: int, kv_start, kv_size: int):
+    """The index of the [q_size|., kv_size|.] part of a tile in the array (broadcast axes: 0)."""
+    return (batch if self.batch else 0, head if self.heads else 0,
+            pl.ds(q_start, q_size) if self.q else 0, pl.ds(kv_start, kv_size) if self.kv else 0)
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelMods:
   """The static part of the score modifiers of one call."""
 
   soft_cap: float | None = None
+  bias: BroadcastAxes | None = None
+  mask: BroadcastAxes | None = None
   segment_ids: bool = False
   alibi: bool = False
   dropout_rate: float = 0.0  # > 0: dropout in the kernels
@@ -98,8 +130,9 @@ class KernelMods:
   @property
   def per_head(self) -> bool:
     """A scorer reads something per query head (ALiBi's slope, dropout's hash prefix, the head
-    index the user's functions get)."""
-    return self.alibi or self.dropout_rate > 0.0 or self.element_fns is not None
+    index the user's functions get, a bias or mask with a head axis)."""
+    return (self.alibi or self.dropout_rate > 0.0 or self.element_fns is not None or any(
+        axes is not None and axes.heads for axes in (self.bias, self.mask)))
 
 
 class ModArrays(NamedTuple):
@@ -114,16 +147,31 @@ class ModArrays(NamedTuple):
   # (arange before sharding: a shard's kernels see their own slice).
   batch_index: Any = None
   head_index: Any = None
+  bias: Any = None  # float32/bf16/f16 [batch|1, heads_q|1, q_len|1, kv_len|1]
+  mask: Any = None  # int8 (1 = attend), shaped like bias
 
   def padded(self, q_len: int, kv_len: int) -> ModArrays:
-    """Segment ids padded to the kernels' padded lengths. The padding value does not matter:
-    padded keys fail the length test and padded rows are dropped."""
+    """Segment ids, bias and mask padded to the kernels' padded lengths. The padding value does
+    not matter: padded keys fail the length test and padded rows are dropped."""
 
     def pad(ids, length):
       return None if ids is None else jnp.pad(ids, ((0, 0), (0, length - ids.shape[1])))
 
+    def pad_pair(x):  # only full q / kv axes grow
+      if x is None:
+        return None
+      widths = [(0, 0), (0, 0)] + [(0, n - m if m > 1 else 0) for n, m in
+                                   zip((q_len, kv_len), x.shape[2:])]
+      return jnp.pad(x, widths)
+
     return self._replace(q_segment_ids=pad(self.q_segment_ids, q_len),
-                         kv_segment_ids=pad(self.kv_segment_ids, kv_len))
+                         kv_segment_ids=pad(self.kv_segment_ids, kv_len),
+                         bias=pad_pair(self.bias), mask=pad_pair(self.mask))
+
+  def transposed_pairs(self) -> ModArrays:
+    """Bias and mask as the dK/dV kernel reads them: [.., kv_len|1, q_len|1]."""
+    swap = lambda x: None if x is None else jnp.swapaxes(x, 2, 3)
+    return self._replace(bias=swap(self.bias), mask=swap(self.mask))
 
 
 @jax.custom_jvp
@@ -252,12 +300,39 @@ def element_fns_problem(mask_fn, score_fn) -> str | None:
   return None
 
 
+_BIAS_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
+
+
+def _pair_array(name: str, x, full_shape):
+  """A bias or mask, checked to broadcast to [batch, heads_q, q_len, kv_len] = full_shape."""
+  if x is None:
+    return None
+  if x.ndim != 4 or any(n not in (1, m) for n, m in zip(x.shape, full_shape)):
+    raise ValueError(f"{name} must have shape [batch|1, heads_q|1, q_len|1, kv_len|1] with "
+                     f"[batch, heads_q, q_len, kv_len] = {list(full_shape)}, got "
+                     f"{list(x.shape)}")
+  return x
+
+
 def from_arguments(q, k, logits_soft_cap, q_segment_ids, kv_segment_ids, alibi_slopes,
                    dropout_rate=0.0, dropout_seed=None, broadcast_dropout=False, *,
-                   mask_fn=None, score_fn=None):
+                   mask_fn=None, score_fn=None, bias=None, mask=None):
   """The static `KernelMods` and the dynamic `ModArrays` of a call to `ops.attention`,
   checked (q [B, T, Hq, D], k [B, S, Hkv, D])."""
   (batch, q_len, heads_q, _), kv_len = q.shape, k.shape[1]
+  full_shape = (batch, heads_q, q_len, kv_len)
+  bias = _pair_array("bias", bias, full_shape)
+  if bias is not None:
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+      raise ValueError(f"bias must be floating point, got {bias.dtype}")
+    if jnp.dtype(bias.dtype) not in map(jnp.dtype, _BIAS_DTYPES):
+      bias = bias.astype(jnp.float32)
+  mask = _pair_array("mask", mask, full_shape)
+  if mask is not None:
+    if jnp.dtype(mask.dtype) != jnp.dtype(bool):
+      raise ValueError(f"mask must be boolean (True = attend), got {mask.dtype}")
+    # int8 in the kernels: the lowering loads 8-bit integers into the WGMMA layout.
+    mask = mask.astype(jnp.int8)
   if (q_segment_ids is None) != (kv_segment_ids is None):
     raise ValueError("q_segment_ids and kv_segment_ids go together: pass both or neither")
   if q_segment_ids is not None:
@@ -305,18 +380,54 @@ def from_arguments(q, k, logits_soft_cap, q_segment_ids, kv_segment_ids, alibi_s
                     segment_ids=q_segment_ids is not None, alibi=alibi_slopes is not None,
                     dropout_rate=dropout_rate,
                     broadcast_dropout=bool(broadcast_dropout) and dropout_rate > 0.0,
-                    element_fns=element_fns)
+                    element_fns=element_fns,
+                    bias=None if bias is None else BroadcastAxes.of(bias.shape),
+                    mask=None if mask is None else BroadcastAxes.of(mask.shape))
   return mods, ModArrays(q_segment_ids, kv_segment_ids, alibi_slopes, prefix, batch_index,
-                         head_index)
+                         head_index, bias, mask)
+
+
+class PairOperand(NamedTuple):
+  """One tile's part of a bias or mask in registers: a [rows, cols] tile (WGMMA layout), a row
+  or column vector (for a broadcast axis), or a scalar. `expand` broadcasts it over the tile."""
+
+  value: Any
+  kind: str  # "tile", "rows", "cols" or "scalar"
+
+  def expand(self, shape):
+    if self.kind == "rows":
+      return common.broadcast_rows(self.value, shape)
+    if self.kind == "cols":
+      return common.broadcast_cols(self.value, shape)
+    return self.value  # a tile, or a scalar that broadcasts in the arithmetic
+
+
+def _load_pair(ref, axes: BroadcastAxes, batch, head, row_start, rows: int, col_start,
+               cols: int) -> PairOperand:
+  """The [rows, cols] part of the tile at (row_start, col_start) of `ref` (a bias or mask laid out
+  as the tile: [batch|1, heads|1, rows|1, cols|1], `axes` in that order), float32. Plain loads
+  from GMEM (optimized=False, as `_load_ids`)."""
+  part = ref.at[axes.index(batch, head, row_start, rows, col_start, cols)]
+  load = lambda layout: plgpu.load(part, layout=layout, optimized=False).astype(jnp.float32)
+  if axes.q and axes.kv:
+    return PairOperand(load(common.WGMMA), "tile")
+  if axes.q:
+    return PairOperand(load(common.WGMMA_ROW), "rows")
+  if axes.kv:
+    return PairOperand(load(common.WGMMA_COL), "cols")
+  return PairOperand(part[...].astype(jnp.float32), "scalar")
 
 
 class Columns(NamedTuple):
-  """The column positions of one tile: block `block` of `size` positions, and their segment ids
-  (int32 [size] in the WGMMA column layout; None without segment ids)."""
+  """The column positions of one tile: block `block` of `size` positions, their segment ids
+  (int32 [size] in the WGMMA column layout; None without segment ids), and the tile's bias and
+  mask (`PairOperand`s; None without)."""
 
   block: Any
   size: int
   segment_ids: Any = None
+  bias: PairOperand | None = None
+  mask: PairOperand | None = None
 
   @property
   def start(self):
@@ -391,6 +502,8 @@ class TileScorer:
   dropout_prefix: Any = None  # uint32 scalar: the dropout hash prefix of (batch, current head)
   user_batch: Any = None  # int32 scalar: the global batch index mask_fn / score_fn get
   user_head: Any = None  # int32 scalar: the global query head mask_fn / score_fn get
+  rows: int = 0
+  head: Any = None  # the current query head (indexes a bias or mask with a head axis)
 
   @classmethod
   def create(cls, mods: KernelMods, spec: mask_lib.MaskSpec, scale: float, refs: ModArrays, *,
@@ -403,14 +516,14 @@ class TileScorer:
       row_ids = _load_ids(row_ref, batch, row_start, rows, common.WGMMA_ROW)
     user_batch = None if mods.element_fns is None else refs.batch_index[batch]
     scorer = cls(mods=mods, spec=spec, scale=scale, refs=refs, batch=batch, row_start=row_start,
-                 kv_length=kv_length, transposed=transposed, backward=backward,
+                 kv_length=kv_length, transposed=transposed, backward=backward, rows=rows,
                  row_segment_ids=row_ids, user_batch=user_batch)
     return scorer if head is None else scorer.for_head(head)
 
   def for_head(self, head) -> TileScorer:
     """This scorer for query head `head` (reads its ALiBi slope, dropout hash prefix, global
-    index)."""
-    scorer = self
+    index; bias and mask tiles are read per tile, at this head)."""
+    scorer = dataclasses.replace(self, head=head)
     if self.mods.alibi:
       scorer = dataclasses.replace(scorer, slope=self.refs.alibi_slopes[head])
     if self.mods.dropout_rate > 0.0:
@@ -425,19 +538,29 @@ class TileScorer:
     for the tile's data, so that loading the segment ids overlaps the wait. An unmasked tile
     needs no segment ids (see `__call__`)."""
     cols = Columns(block, size)
-    if not (self.mods.segment_ids and masked):
-      return cols
-    col_ref = self.refs.q_segment_ids if self.transposed else self.refs.kv_segment_ids
-    return cols._replace(
-        segment_ids=_load_ids(col_ref, self.batch, cols.start, size, common.WGMMA_COL))
+    if self.mods.segment_ids and masked:
+      col_ref = self.refs.q_segment_ids if self.transposed else self.refs.kv_segment_ids
+      cols = cols._replace(
+          segment_ids=_load_ids(col_ref, self.batch, cols.start, size, common.WGMMA_COL))
+    if self.mods.bias is not None:
+      cols = cols._replace(bias=self._load_pair(self.refs.bias, self.mods.bias, cols))
+    if self.mods.mask is not None:
+      cols = cols._replace(mask=self._load_pair(self.refs.mask, self.mods.mask, cols))
+    return cols
+
+  def _load_pair(self, ref, axes: BroadcastAxes, cols: Columns) -> PairOperand:
+    if self.transposed:  # the array is transposed too (`ModArrays.transposed_pairs`)
+      axes = dataclasses.replace(axes, q=axes.kv, kv=axes.q)
+    return _load_pair(ref, axes, self.batch, self.head, self.row_start, self.rows, cols.start,
+                      cols.size)
 
   def __call__(self, s, cols: Columns, *, masked: bool):
     """Base-2 logits of the raw float32 tile `s` (WGMMA layout), -inf where hidden.
 
     masked: apply the positional mask (causal / window / key length) and, with segment ids, the
     segment mask. The positional range ends need it, the tiles in between do not; with segment
-    ids the block table decides (an unmasked tile holds one segment on both sides). mask_fn,
-    when given, masks every tile.
+    ids the block table decides (an unmasked tile holds one segment on both sides). A boolean
+    mask and mask_fn, when given, mask every tile.
     Returns (logits, LogitGrad): for `logit_grad` in the backward kernels.
     """
     mods = self.mods
@@ -451,6 +574,8 @@ class TileScorer:
     if fns is not None and fns.score_fn is not None:
       # score_fn takes the natural-log logit: form it, apply score_fn, then cap or go to base 2.
       x = s * self.scale
+      if mods.bias is not None:
+        x = x + cols.bias.expand(x.shape)
       if mods.alibi:
         x = x - self.slope * distance
       x, score_fn_slope = element_scores(fns, x, self.user_batch, self.user_head, positions,
@@ -462,10 +587,14 @@ class TileScorer:
         s = tanh_s * (mods.soft_cap * common.LOG2E)
     elif mods.soft_cap is None:
       s = s * (self.scale * common.LOG2E)
+      if mods.bias is not None:
+        s = s + cols.bias.expand(s.shape) * common.LOG2E
       if mods.alibi:
         s = s - (self.slope * common.LOG2E) * distance
     else:
       x = s * (self.scale / mods.soft_cap)
+      if mods.bias is not None:
+        x = x + cols.bias.expand(x.shape) * (1.0 / mods.soft_cap)
       if mods.alibi:
         x = x - (self.slope / mods.soft_cap) * distance
       tanh_s = jnp.tanh(x)
@@ -479,6 +608,9 @@ class TileScorer:
       same = (common.broadcast_rows(self.row_segment_ids, s.shape)
               == common.broadcast_cols(cols.segment_ids, s.shape))
       keep = same if keep is None else keep & same
+    if mods.mask is not None:
+      allowed = cols.mask.expand(s.shape) != 0.0
+      keep = allowed if keep is None else keep & allowed
     if fns is not None and fns.mask_fn is not None:
       allowed = element_keep(fns, self.user_batch, self.user_head, positions)
       keep = allowed if keep is None else keep & allowed

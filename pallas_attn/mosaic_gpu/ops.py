@@ -1,6 +1,9 @@
 """The differentiable Mosaic GPU attention: padding to whole tiles, the forward kernel, and a
 `jax.custom_vjp` whose backward pass runs the dQ and dK/dV kernels. `forward` and `backward` are
 the two passes alone (the backward from a caller's lse and delta), for `pallas_attn.ring`.
+With a bias, the backward pass also runs the dbias kernel (`dbias.py`), but only when the bias
+is differentiated: the custom_vjp's forward rule sees which inputs are perturbed
+(`symbolic_zeros=True`) and tells the backward rule through the residuals' structure.
 
 The custom_vjp runs each pass through `sharding.batch_head_parallel`: the kernels are custom calls
 that XLA's partitioner would otherwise replicate (gathering q, k and v) under a sharded `jit`."""
@@ -12,12 +15,14 @@ import functools
 import math
 
 import jax
+import jax.numpy as jnp
 
 from pallas_attn import mask as mask_lib
 from pallas_attn import numerics
 from pallas_attn import sharding
 from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import bwd
+from pallas_attn.mosaic_gpu import dbias as dbias_lib
 from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import fwd
 from pallas_attn.mosaic_gpu import gqa_pack
@@ -70,7 +75,8 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
               dkv_cfg: config_lib.KernelConfig | None = None,
               logits_soft_cap: float | None = None, q_segment_ids=None, kv_segment_ids=None,
               alibi_slopes=None, dropout_rate: float = 0.0, dropout_seed=None,
-              broadcast_dropout: bool = False, mask_fn=None, score_fn=None):
+              broadcast_dropout: bool = False, mask_fn=None, score_fn=None, bias=None,
+              mask=None):
   """q [B, T, Hq, D], k/v [B, S, Hkv, D] (bf16/f16), lengths int32 [B] or None.
   `fwd_cfg`, `dq_cfg`, `dkv_cfg` override the table's tiles of the forward, dQ and dK/dV kernels
   (benchmarks/tune.py compares variants with them).
@@ -95,13 +101,19 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
       index, query head) and q_idx, kv_idx int32 tiles of positions. Functions that close over
       arrays or use primitives the Mosaic GPU lowering lacks raise NotImplementedError
       (`mods.element_fns_problem`).
+    bias: float [B|1, Hq|1, T|1, S|1] (size-1 axes broadcast), added to the scaled logits
+      before ALiBi and the soft-cap. Differentiable: its gradient has its own shape (the dbias
+      kernel sums over the broadcast axes; it runs only when the bias is differentiated).
+      float32, bfloat16 and float16 are read as they are, other float dtypes cast to float32.
+    mask: bool, shaped like bias; False hides the score (after the soft-cap, like the
+      positional mask). A row it hides entirely gets lse +inf.
 
   Returns (out [B, T, Hq, D], lse [B, Hq, T] float32 with +inf on rows that saw no key).
   """
   mods, mod_arrays = mods_lib.from_arguments(q, k, logits_soft_cap, q_segment_ids,
                                              kv_segment_ids, alibi_slopes, dropout_rate,
                                              dropout_seed, broadcast_dropout, mask_fn=mask_fn,
-                                             score_fn=score_fn)
+                                             score_fn=score_fn, bias=bias, mask=mask)
   static = _static(q.shape[-1], scale, spec, interpret, fwd_cfg, dq_cfg, dkv_cfg, mods)
   position_free_mods = mods == mods_lib.KernelMods(soft_cap=mods.soft_cap)
   if gqa_pack.should_pack(q.shape, k.shape[2], spec, k.shape[1], position_free_mods,
@@ -170,8 +182,9 @@ def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
 
 
 def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
-                   *mod_arrays):
-  if static.pack_gqa:
+                   *mod_arrays, with_dbias: bool = False):
+  """(dq, dk, dv), and the bias gradient (float32, the bias's shape) when `with_dbias`."""
+  if static.pack_gqa:  # (never with a bias: packing needs position-free modifiers)
     kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
     dq, dk, dv = _backward_pass(
         dataclasses.replace(static, pack_gqa=False), gqa_pack.pack_rows(q, kv_heads), k, v,
@@ -203,37 +216,70 @@ def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_le
     dq, q = jax.lax.optimization_barrier((dq, q))
   dk, dv = bwd.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, cfg=static.dkv_cfg,
                    table=_table(dkv_visibility, block_table.key_major), **common)
-  return dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len]
+  grads = (dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len])
+  if not with_dbias:
+    return grads
+  if static.interpret:  # one interpreted kernel at a time (see above)
+    (dk, dv), q = jax.lax.optimization_barrier(((dk, dv), q))
+    grads = (dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len])
+  d_bias = dbias_lib.dbias(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
+                           bias_shape=common["mod_arrays"].bias.shape, cfg=static.dq_cfg,
+                           **common)
+  # Back to the bias's own extent: cut the padding of full q / kv axes.
+  return grads + (d_bias[:, :, :q_len if d_bias.shape[2] > 1 else 1,
+                         :kv_len if d_bias.shape[3] > 1 else 1],)
+
+
+def _pair_shapes(mod_arrays):
+  """The shapes of the bias and mask operands (None where absent)."""
+  arrays = mods_lib.ModArrays(*mod_arrays)
+  return tuple(None if x is None else x.shape for x in (arrays.bias, arrays.mask))
 
 
 def _sharded_forward(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
-  return sharding.batch_head_parallel(functools.partial(_forward_pass, static), sharding.FORWARD,
+  layout = sharding.with_pairs(sharding.FORWARD, *_pair_shapes(mod_arrays))
+  return sharding.batch_head_parallel(functools.partial(_forward_pass, static), layout,
                                       q, k, v, q_lengths, kv_lengths, *mod_arrays,
                                       auto_axes=not static.interpret)
 
 
-# mod_arrays: q_segment_ids, kv_segment_ids, alibi_slopes, dropout_prefix, batch_index,
-# head_index (each None when absent).
+# mod_arrays: the fields of `mods.ModArrays` (q_segment_ids, kv_segment_ids, alibi_slopes,
+# dropout_prefix, bias, mask), each None when absent.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   return _sharded_forward(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
 
 
-def _attention_fwd(static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
+def _attention_fwd(static, *primals):
+  # symbolic_zeros: each array comes as (value, perturbed). Only the bias's bit matters: its
+  # gradient costs a kernel of its own, run only when the bias is differentiated.
+  bias = mods_lib.ModArrays(*primals[5:]).bias
+  with_dbias = bias is not None and bias.perturbed
+  q, k, v, q_lengths, kv_lengths, *mod_arrays = jax.tree.map(lambda p: p.value, primals)
   out, lse = _sharded_forward(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
-  return (out, lse), (q, k, v, out, lse, q_lengths, kv_lengths, mod_arrays)
+  # The residuals' structure carries the static `with_dbias` to the backward rule.
+  dbias_marker = () if with_dbias else None
+  return (out, lse), (q, k, v, out, lse, q_lengths, kv_lengths, tuple(mod_arrays), dbias_marker)
 
 
 def _attention_bwd(static, res, cotangents):
-  q, k, v, out, lse, q_lengths, kv_lengths, mod_arrays = res
+  q, k, v, out, lse, q_lengths, kv_lengths, mod_arrays, dbias_marker = res
+  with_dbias = dbias_marker is not None
   d_out, _ = cotangents  # the lse leaves the API under stop_gradient
-  dq, dk, dv = sharding.batch_head_parallel(
-      functools.partial(_backward_pass, static), sharding.BACKWARD,
+  if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
+    d_out = jnp.zeros_like(out)
+  layout = sharding.with_pairs(sharding.BACKWARD, *_pair_shapes(mod_arrays), dbias=with_dbias)
+  grads = sharding.batch_head_parallel(
+      functools.partial(_backward_pass, static, with_dbias=with_dbias), layout,
       q, k, v, d_out, lse, numerics.delta(d_out, out), q_lengths, kv_lengths, *mod_arrays,
       auto_axes=not static.interpret)
-  # No cotangent for the lengths, the segment ids, the dropout prefix, the indices nor the ALiBi
+  dq, dk, dv = grads[:3]
+  # No cotangent for the lengths, the segment ids, the dropout prefix, the mask nor the ALiBi
   # slopes (constants: see `mods.constant_slopes`).
-  return (dq, dk, dv, None, None) + (None,) * len(mod_arrays)
+  d_mods = mods_lib.ModArrays()
+  if with_dbias:
+    d_mods = d_mods._replace(bias=grads[3].astype(mods_lib.ModArrays(*mod_arrays).bias.dtype))
+  return (dq, dk, dv, None, None) + tuple(d_mods)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
