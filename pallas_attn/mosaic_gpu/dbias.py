@@ -78,7 +78,8 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_r
       lo = jnp.clip(lo, kv_lo, kv_hi)
       hi = jnp.clip(hi, lo, kv_hi)
       scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch, head=head,
-                                          row_start=q_start, rows=block_q, kv_length=kv_length)
+                                          row_start=q_start, rows=block_q, kv_length=kv_length,
+                                          backward=True)
       # The previous block's generic reads of these buffers are done before TMA overwrites them.
       plgpu.commit_smem()
       copy(q_ref.at[rows], q_smem, 0)
@@ -97,12 +98,12 @@ def _kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_r
         copy(v_ref.at[keys], v_smem, 5)
         wait(4)
         s = common.matmul(q_smem, k_smem.T, (block_q, block_kv))  # [block_q, block_kv]
-        s, tanh_s = scores(s, cols, masked=True)
+        s, chain = scores(s, cols, masked=True)
         p = jnp.exp2(s - common.broadcast_rows(lse2, s.shape))
         wait(5)
         dp = common.matmul(do_smem, v_smem.T, (block_q, block_kv))
         dp = scores.dropped(dp, scores.dropout_keep(dp, cols))
-        ds = mods_lib.soft_cap_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), tanh_s)
+        ds = mods_lib.logit_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), chain)
         return acc + ds if axes.kv else acc + ds.sum(axis=1)
 
       return lax.fori_loop(lo, hi, one_kv_block, acc)
