@@ -23,7 +23,6 @@ import jax.numpy as jnp
 from pallas_attn import blocked_jax
 from pallas_attn import interpreter_threads
 from pallas_attn import reference
-from pallas_attn import score_mods
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +47,8 @@ class AttentionCall:
   has_dropout: bool = False
   has_mask_fn: bool = False
   has_score_fn: bool = False
-  # A bias with size-1 query and key axes (one value per (batch, head) or a scalar): see
-  # `mosaic_gpu_unsupported_reason`.
+  # A bias with size-1 query and key axes (one value per (batch, head) or a scalar): `choose`
+  # does not send it to the kernels by itself (see there).
   bias_constant_over_scores: bool = False
   # Why mask_fn / score_fn cannot be traced into the Mosaic GPU kernels (they close over arrays,
   # or use a primitive the lowering lacks: `element_fns_problem`); None when they can or are
@@ -122,13 +121,9 @@ def _blocked_jax_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths
 
 def _mosaic_gpu_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, kv_lengths,
                      interpret):
-  # `choose` refuses these before tracing; kept here so that no path can drop them silently.
-  kernel_mods = score_mods.ScoreMods(logits_soft_cap=mods.logits_soft_cap,
-                                     dropout_rate=mods.dropout_rate,
-                                     broadcast_dropout=mods.broadcast_dropout,
-                                     mask_fn=mods.mask_fn, score_fn=mods.score_fn)
+  # `choose` refuses this before tracing; kept here so that no path can drop it silently.
   slopes = arrays.alibi_slopes
-  if mods != kernel_mods or (slopes is not None and slopes.shape[0] != 1):
+  if slopes is not None and slopes.shape[0] != 1:
     raise NotImplementedError("implementation='mosaic_gpu' does not support per-batch ALiBi "
                               "slopes yet")
   if interpret:

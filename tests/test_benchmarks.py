@@ -2,7 +2,6 @@
 out-of-memory search, the results files' schema, and the notebook executed in its CI mode."""
 
 import json
-import os
 import pathlib
 import sys
 

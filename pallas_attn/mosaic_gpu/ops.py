@@ -244,7 +244,7 @@ def _sharded_forward(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_array
 
 
 # mod_arrays: the fields of `mods.ModArrays` (q_segment_ids, kv_segment_ids, alibi_slopes,
-# dropout_prefix, bias, mask), each None when absent.
+# dropout_prefix, batch_index, head_index, bias, mask), each None when absent.
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _attention(static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   return _sharded_forward(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
