@@ -30,6 +30,7 @@ from pallas_attn.mosaic_gpu import ops
 from test_mosaic_gpu import _poison_allocator
 
 _DBIAS_TOL = 2e-2
+_CANCELLATION = 1e-3  # see _dbias_err
 _EMPTY_ROW = 3  # a query row that a mask with a q axis hides entirely (in batch element 0)
 
 
@@ -88,6 +89,23 @@ def _outputs(q, k, v, do, bias, mask, *, case: BiasCase, implementation: str, in
   return out, lse, vjp((do, jnp.zeros_like(lse)))
 
 
+def _dbias_err(got, want, magnitude) -> float:
+  """Relative L2 error of a bias gradient, with the denominator floored at _CANCELLATION of the
+  summed magnitudes |dS|.
+
+  A broadcast bias's gradient sums dS over its broadcast axes, and along the keys those terms
+  cancel (exactly without a soft-cap). Under a soft-cap a scalar bias's gradient is a sum of
+  ~1e7 terms whose magnitudes add up to ~6e4 times the result (the H200 case at 1000 x 1537
+  keys: 1.0 against a sum of |dS| of 64344). No float32 kernel is accurate relative to such a
+  result: the GPU's tanh.approx (approx_math) alone is off by ~5e-4 per term. What a kernel can
+  be held to is an error small against what it sums; 2e-2 x 1e-3 of it still catches one
+  dropped or doubled 64 x 64 tile (~3e-4 of the sum for that case), and for a bias with a full
+  key axis the floor stays far below |want| (no cancellation), so the plain relative error
+  decides."""
+  floor = _CANCELLATION * np.linalg.norm(magnitude)
+  return float(np.linalg.norm(got - want) / max(np.linalg.norm(want), floor))
+
+
 def _check(case: BiasCase, seed: int, interpret: bool):
   q, k, v, do, bias, mask = case.inputs(seed)
   run = functools.partial(_outputs, case=case)
@@ -116,12 +134,14 @@ def _check(case: BiasCase, seed: int, interpret: bool):
     failures.append(f"lse: rel err {err:.3e}")
   # dbias: dS summed over the bias's broadcast axes.
   axes = tuple(a for a, n in enumerate(bias.shape) if n == 1 and full_shape[a] > 1)
-  want = np.asarray(ref_grads[3], np.float64).sum(axis=axes, keepdims=True)
+  ds = np.asarray(ref_grads[3], np.float64)
+  want = ds.sum(axis=axes, keepdims=True)
   if grads[3].shape != bias.shape or grads[3].dtype != bias.dtype:
     failures.append(f"dbias is {grads[3].dtype}{list(grads[3].shape)}, the bias "
                     f"{bias.dtype}{list(bias.shape)}")
   else:
-    err = cases.rel_err(np.asarray(grads[3], np.float32), want)
+    err = _dbias_err(np.asarray(grads[3], np.float64), want,
+                     np.abs(ds).sum(axis=axes, keepdims=True))
     if not err <= _DBIAS_TOL:  # NaN fails too
       failures.append(f"dbias: rel err {err:.3e}")
   if interpret:

@@ -51,6 +51,14 @@ def first_batch_causal(b, h, q_idx, kv_idx):  # batch 0 causal, the others see e
   return (b != 0) | (kv_idx <= q_idx)
 
 
+def aligned_documents(b, h, q_idx, kv_idx):  # documents of 128: whole tiles inside one
+  return (q_idx // 128) == (kv_idx // 128)
+
+
+def head_windows(b, h, q_idx, kv_idx):  # query head h sees keys within 64 * (h + 1)
+  return jnp.abs(q_idx - kv_idx) < 64 * (h + 1)
+
+
 def relative_position(s, b, h, q_idx, kv_idx):
   return s + 0.05 * (q_idx - kv_idx).astype(jnp.float32) * (h + 1).astype(jnp.float32)
 
@@ -97,6 +105,14 @@ _CASES = [
              score_fn=tanh_cap, soft_cap=2.5, q_gain=4.0),
     # Everything in the kernels at once: ALiBi before score_fn before the soft-cap, the causal
     # diagonal moved by the bottom-right offset while mask_fn and score_fn see plain positions.
+    # Block skipping from mask_fn (`block_mask`): tiles of other documents are skipped, those
+    # inside one are computed without any element mask (the forward's 64 x 128 tiles too).
+    FlexCase("aligned_documents_relpos_gqa_300x333", 1, 300, 333, 4, 2,
+             mask_fn=aligned_documents, score_fn=relative_position),
+    # A window per query head: per-head forward / dQ tables, one dK/dV table per kv head (the
+    # union of its group's).
+    FlexCase("head_windows_gqa_causal_300x333", 1, 300, 333, 4, 2, mask_fn=head_windows,
+             is_causal=True),
     FlexCase("all_bottom_right_gqa_77x150", 1, 77, 150, 4, 2, mask_fn=sliding_window,
              score_fn=relative_position, is_causal=True, soft_cap=5.0, q_gain=2.0, alibi=True,
              alignment="bottom_right"),

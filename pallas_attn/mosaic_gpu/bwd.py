@@ -10,9 +10,9 @@ With delta = rowsum(dO * O) precomputed, dS = P * (dP - delta) where dP = dO V^T
   lse and delta tiles for every query head of the GQA group and every visible query block; each
   compute warpgroup accumulates dV = P^T dO and dK = scale * dS^T Q for its key rows, summed over
   the group in registers (no per-query-head copy of dK/dV).
-Block skipping and end-of-range masking follow `mask` (with segment ids: a block table per CTA,
-`block_table.query_major` for dQ, `key_major` for dK/dV, the same list for every query head of the
-group), and the score modifiers `mods`, exactly as in the forward kernel; with a soft-cap and a
+Block skipping and end-of-range masking follow `mask` (with segment ids, a boolean mask or a
+mask_fn: a block table per CTA, `block_table.query_major` for dQ, `key_major` for dK/dV, one
+list per kv head for every query head of its group), and the score modifiers `mods`, exactly as in the forward kernel; with a soft-cap and a
 score_fn, dS is multiplied by their derivatives (`mods.logit_grad`; score_fn's by `jax.jvp` in the
 kernel). With dropout, dP is masked and scaled by the regenerated keep-mask,
 dS = P * (dP_dropped - delta), and dV takes the dropped, scaled P. Rows whose lse is +inf (no
@@ -220,8 +220,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     cta_hi = jnp.where(cta_start >= kv_length, cta_lo, cta_hi)  # every key is padding
     per_head = cta_hi - cta_lo  # steps per query head of the group
     block_of = lambda e: cta_lo + e  # the query block of the e-th step of a head
-  else:  # (the table has no heads axis: `dkv` checks)
-    cta_list = block_table.CtaList.read(table_refs, batch=batch, head=0,
+  else:  # (the table's heads axis: 1 or the kv heads, `dkv` checks)
+    cta_list = block_table.CtaList.read(table_refs, batch=batch, head=kv_head,
                                         tile=lax.axis_index("kv_tiles"))
     per_head, block_of = cta_list.count, cta_list.block
 
@@ -341,8 +341,9 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
         table: block_table.BlockTable | None = None):
   """(dK, dV) [B, S, Hkv, D] in k.dtype, summed over each kv head's query-head group.
 
-  `table`: `block_table.key_major` at (cfg.block_q, cfg.block_kv), without a heads axis (size
-  1), or None (the positional ranges).
+  `table`: `block_table.key_major` at (cfg.block_q, cfg.block_kv), with a heads axis of 1 or
+  heads_kv (one list per kv head, shared by its query-head group), or None (the positional
+  ranges).
   A bias / mask in `mod_arrays` is transposed here (one XLA transpose: a copy of its size) for
   the kernel to read [keys, queries] tiles.
 
@@ -350,9 +351,9 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   2 x 64 x 256 float32 = 256 registers per thread), dV and dK come from two launches, each
   recomputing P.
   """
-  if table is not None and table.counts.shape[1] != 1:
-    raise NotImplementedError("per-head block tables (a per-head block mask) in the Mosaic GPU "
-                              "dK/dV kernel")
+  if table is not None and table.counts.shape[1] not in (1, k.shape[2]):
+    raise ValueError(f"the dK/dV kernel's block table needs a heads axis of 1 or the kv heads "
+                     f"({k.shape[2]}), got {table.counts.shape[1]} (`block_mask.group_union`)")
   if cfg.reverse_q_tiles:
     raise ValueError("reverse_q_tiles is a forward / dQ option: the dK/dV kernel's grid runs over "
                      "key tiles")

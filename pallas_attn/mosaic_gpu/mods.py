@@ -24,8 +24,8 @@ Order on the natural-log logits of a tile (the semantics issue #5 sets for every
   sequences, clipped into them as on the portable path; transposed on dK/dV tiles, like the tile)
   and batch, head int32 scalars: the global batch index and query head, read from
   `ModArrays.batch_index` / `head_index` so that a sharded call passes global indices.
-  mask_fn is and-ed into the keep mask of every tile (no block is skipped for it: see
-  `element_keep`, the pure per-element predicate a block table can reuse). The backward kernels
+  mask_fn is and-ed into the keep mask of the tiles the block table marks masked
+  (`block_mask`: tiles it hides entirely are skipped, tiles it keeps whole are not masked). The backward kernels
   get d score_fn / d s by `jax.jvp` traced in the kernel and chain it into dS after the
   soft-cap's derivative (`LogitGrad`). Functions that close over arrays, or use primitives the
   Mosaic GPU lowering lacks, cannot be traced: `element_fns_problem` says why (the dispatcher
@@ -536,7 +536,7 @@ class TileScorer:
   def columns(self, block, size: int, *, masked: bool = True) -> Columns:
     """The columns of the next tile: block `block` of `size` positions. Call it before waiting
     for the tile's data, so that loading the segment ids overlaps the wait. An unmasked tile
-    needs no segment ids (see `__call__`)."""
+    needs no segment ids nor mask (see `__call__`)."""
     cols = Columns(block, size)
     if self.mods.segment_ids and masked:
       col_ref = self.refs.q_segment_ids if self.transposed else self.refs.kv_segment_ids
@@ -544,7 +544,7 @@ class TileScorer:
           segment_ids=_load_ids(col_ref, self.batch, cols.start, size, common.WGMMA_COL))
     if self.mods.bias is not None:
       cols = cols._replace(bias=self._load_pair(self.refs.bias, self.mods.bias, cols))
-    if self.mods.mask is not None:
+    if self.mods.mask is not None and masked:
       cols = cols._replace(mask=self._load_pair(self.refs.mask, self.mods.mask, cols))
     return cols
 
@@ -557,10 +557,10 @@ class TileScorer:
   def __call__(self, s, cols: Columns, *, masked: bool):
     """Base-2 logits of the raw float32 tile `s` (WGMMA layout), -inf where hidden.
 
-    masked: apply the positional mask (causal / window / key length) and, with segment ids, the
-    segment mask. The positional range ends need it, the tiles in between do not; with segment
-    ids the block table decides (an unmasked tile holds one segment on both sides). A boolean
-    mask and mask_fn, when given, mask every tile.
+    masked: apply the positional mask (causal / window / key length), the segment mask, the
+    boolean mask and mask_fn. The positional range ends need it, the tiles in between do not;
+    with segment ids, a mask or a mask_fn the block table decides (`ops._visibility`: an
+    unmasked tile holds one segment on both sides and passes the mask and mask_fn everywhere).
     Returns (logits, LogitGrad): for `logit_grad` in the backward kernels.
     """
     mods = self.mods
@@ -608,10 +608,10 @@ class TileScorer:
       same = (common.broadcast_rows(self.row_segment_ids, s.shape)
               == common.broadcast_cols(cols.segment_ids, s.shape))
       keep = same if keep is None else keep & same
-    if mods.mask is not None:
+    if mods.mask is not None and masked:
       allowed = cols.mask.expand(s.shape) != 0.0
       keep = allowed if keep is None else keep & allowed
-    if fns is not None and fns.mask_fn is not None:
+    if fns is not None and fns.mask_fn is not None and masked:
       allowed = element_keep(fns, self.user_batch, self.user_head, positions)
       keep = allowed if keep is None else keep & allowed
     if keep is not None:

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from pallas_attn import mask as mask_lib
 from pallas_attn import numerics
 from pallas_attn import sharding
+from pallas_attn.mosaic_gpu import block_mask
 from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import bwd
 from pallas_attn.mosaic_gpu import dbias as dbias_lib
@@ -27,6 +28,7 @@ from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import fwd
 from pallas_attn.mosaic_gpu import gqa_pack
 from pallas_attn.mosaic_gpu import mods as mods_lib
+from pallas_attn.mosaic_gpu import split_kv
 
 _WGS = config_lib.COMPUTE_WARPGROUPS
 
@@ -44,6 +46,9 @@ class _Static:
   mods: mods_lib.KernelMods = mods_lib.KernelMods()
   # Decode-shaped GQA: the group's query heads packed into the rows of one tile (`gqa_pack`).
   pack_gqa: bool = False
+  # Decode-shaped calls: the forward over key chunks, merged by lse (`split_kv`). 1: one pass;
+  # None: `split_kv.num_splits` of each shard's shapes; n > 1: n chunks.
+  kv_splits: int | None = 1
 
   # Both sequences are padded to whole tiles of every kernel (padded rows and keys fail the
   # length test).
@@ -76,10 +81,11 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
               logits_soft_cap: float | None = None, q_segment_ids=None, kv_segment_ids=None,
               alibi_slopes=None, dropout_rate: float = 0.0, dropout_seed=None,
               broadcast_dropout: bool = False, mask_fn=None, score_fn=None, bias=None,
-              mask=None):
+              mask=None, kv_splits: int | None = None):
   """q [B, T, Hq, D], k/v [B, S, Hkv, D] (bf16/f16), lengths int32 [B] or None.
   `fwd_cfg`, `dq_cfg`, `dkv_cfg` override the table's tiles of the forward, dQ and dK/dV kernels
-  (benchmarks/tune.py compares variants with them).
+  (benchmarks/tune.py compares variants with them). `kv_splits` overrides the number of key
+  chunks of the forward (`split_kv`; None: its heuristic), used only where splitting is exact.
 
   Score modifiers (see `mods`), applied in the kernels:
     logits_soft_cap: static float: logits become cap * tanh(logit / cap).
@@ -120,6 +126,11 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
                           _WGS * static.fwd_cfg.block_q):
     static = dataclasses.replace(
         static, spec=gqa_pack.positional_mask(spec, q.shape[1], k.shape[1]), pack_gqa=True)
+  if kv_splits is not None and kv_splits < 1:
+    raise ValueError(f"kv_splits must be None or a positive int, got {kv_splits}")
+  if split_kv.exact(spec, q.shape[1], k.shape[1], position_free_mods):
+    static = dataclasses.replace(
+        static, spec=gqa_pack.positional_mask(spec, q.shape[1], k.shape[1]), kv_splits=kv_splits)
   return _attention(static, q, k, v, q_lengths, kv_lengths, *mod_arrays)
 
 
@@ -145,16 +156,20 @@ def backward(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
 
 
 def _visibility(static: _Static, cfg: config_lib.KernelConfig, q_lengths, kv_lengths,
-                q_len: int, kv_len: int, mod_arrays: mods_lib.ModArrays):
-  """The tiles of `cfg`'s grid over the padded lengths that positions and segment ids leave
-  visible (`block_table.block_visibility`); None without segment ids: the kernels then skip by
-  position alone, in the kernel."""
-  if not static.mods.segment_ids:
+                q_len: int, kv_len: int, mod_arrays: mods_lib.ModArrays,
+                element_blocks: block_table.BlockVisibility | None):
+  """The tiles of `cfg`'s grid over the padded lengths that positions, segment ids and the
+  element masks (`element_blocks`: `block_mask.fine_visibility`) leave visible
+  (`block_table.block_visibility`); None without segment ids and element masks: the kernels then
+  skip by position alone, in the kernel."""
+  if not static.mods.segment_ids and element_blocks is None:
     return None
   return block_table.block_visibility(
       static.spec, q_lengths, kv_lengths, block_q=cfg.block_q, block_kv=cfg.block_kv,
       num_q_blocks=q_len // cfg.block_q, num_kv_blocks=kv_len // cfg.block_kv,
-      q_segment_ids=mod_arrays.q_segment_ids, kv_segment_ids=mod_arrays.kv_segment_ids)
+      q_segment_ids=mod_arrays.q_segment_ids, kv_segment_ids=mod_arrays.kv_segment_ids,
+      block_mask=(None if element_blocks is None
+                  else block_mask.coarsen(element_blocks, cfg.block_q, cfg.block_kv)))
 
 
 def _table(visibility, build):
@@ -162,6 +177,14 @@ def _table(visibility, build):
 
 
 def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
+  # (On one shard's arrays: the heuristic counts this device's CTAs.)
+  splits = static.kv_splits or split_kv.num_splits(
+      q.shape, k.shape, pack_gqa=static.pack_gqa, rows_per_cta=_WGS * static.fwd_cfg.block_q,
+      kv_block=static.kv_multiple)
+  if splits > 1:
+    unsplit = functools.partial(_forward_pass, dataclasses.replace(static, kv_splits=1))
+    return split_kv.forward(unsplit, splits, static.kv_multiple, q, k, v, q_lengths, kv_lengths,
+                            *mod_arrays)
   if static.pack_gqa:
     kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
     out, lse = _forward_pass(dataclasses.replace(static, pack_gqa=False),
@@ -173,11 +196,13 @@ def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
                                  static.kv_multiple)
   padded_lens = padded[0].shape[1], padded[1].shape[1]
   mod_arrays = mods_lib.ModArrays(*mod_arrays)
-  table = _table(_visibility(static, static.fwd_cfg, *padded[3:], *padded_lens, mod_arrays),
-                 block_table.query_major)
+  padded_arrays = mod_arrays.padded(*padded_lens)
+  element_blocks = block_mask.fine_visibility(static.mods, padded_arrays, *padded_lens)
+  table = _table(_visibility(static, static.fwd_cfg, *padded[3:], *padded_lens, mod_arrays,
+                             element_blocks), block_table.query_major)
   out, lse = fwd.forward(*padded, scale=static.scale, spec=static.spec, cfg=static.fwd_cfg,
                          interpret=static.interpret, mods=static.mods,
-                         mod_arrays=mod_arrays.padded(*padded_lens), table=table)
+                         mod_arrays=padded_arrays, table=table)
   return out[:, :q_len], lse[:, :, :q_len]
 
 
@@ -198,15 +223,20 @@ def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_le
   d_out, lse, delta = mask_lib.pad_row_inputs(d_out.astype(q.dtype), lse, delta,
                                               static.q_multiple)
   mod_arrays = mods_lib.ModArrays(*mod_arrays)
-  dq_visibility = _visibility(static, static.dq_cfg, q_lengths, kv_lengths, q.shape[1],
-                              k.shape[1], mod_arrays)
+  padded_arrays = mod_arrays.padded(q.shape[1], k.shape[1])
+  element_blocks = block_mask.fine_visibility(static.mods, padded_arrays, q.shape[1], k.shape[1])
+  visibility = functools.partial(_visibility, static, q_lengths=q_lengths,
+                                 kv_lengths=kv_lengths, q_len=q.shape[1], kv_len=k.shape[1],
+                                 mod_arrays=mod_arrays, element_blocks=element_blocks)
+  dq_visibility = visibility(static.dq_cfg)
   dkv_visibility = dq_visibility
   if (static.dkv_cfg.block_q, static.dkv_cfg.block_kv) != (static.dq_cfg.block_q,
                                                            static.dq_cfg.block_kv):
-    dkv_visibility = _visibility(static, static.dkv_cfg, q_lengths, kv_lengths, q.shape[1],
-                                 k.shape[1], mod_arrays)
+    dkv_visibility = visibility(static.dkv_cfg)
+  if dkv_visibility is not None:  # one list per kv head, for its whole query-head group
+    dkv_visibility = block_mask.group_union(dkv_visibility, q.shape[2] // k.shape[2])
   common = dict(scale=static.scale, spec=static.spec, interpret=static.interpret,
-                mods=static.mods, mod_arrays=mod_arrays.padded(q.shape[1], k.shape[1]))
+                mods=static.mods, mod_arrays=padded_arrays)
   dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg,
               table=_table(dq_visibility, block_table.query_major), **common)
   if static.interpret:
