@@ -82,6 +82,19 @@ class MaskSpec:
     return None if self.right is None else self.right + self.offset
 
 
+def every_row_sees_a_key(spec: MaskSpec, q_len: int, kv_len: int) -> bool:
+  """Whether the positional mask alone leaves every one of q_len query rows some key of kv_len.
+
+  Row i sees the keys [i - reach_back, i + reach_ahead] within [0, kv_len): it is empty only
+  when the band ends before key 0 (worst at i = 0) or starts after the last key (worst at
+  i = q_len - 1); the band itself is never inverted (left, right >= 0)."""
+  if kv_len < 1:
+    return False
+  ahead_ok = spec.reach_ahead is None or spec.reach_ahead >= 0
+  back_ok = spec.reach_back is None or q_len - 1 - spec.reach_back <= kv_len - 1
+  return ahead_ok and back_ok
+
+
 def visible(spec: MaskSpec, q_pos: jax.Array, kv_pos: jax.Array,
             q_length=None, kv_length=None) -> jax.Array:
   """Whether the query at `q_pos` sees the key at `kv_pos` (broadcasting).

@@ -493,3 +493,43 @@ def test_bias_constant_over_scores_goes_to_the_portable_path():
   assert dispatch.choose(call, "mosaic_gpu") is dispatch._IMPLEMENTATIONS["mosaic_gpu"]
   row_bias = dataclasses.replace(call, bias_constant_over_scores=False)
   assert dispatch.choose(row_bias, None) is dispatch._IMPLEMENTATIONS["mosaic_gpu"]
+
+
+@pytest.mark.parametrize("kwargs,finalized", [
+    (dict(), False),
+    (dict(is_causal=True), False),
+    (dict(is_causal=True, causal_alignment="bottom_right"), False),  # kv_len >= q_len
+    (dict(local_window_size=(4, 4)), False),
+    (dict(logits_soft_cap=5.0), False),
+    (dict(key_value_seq_lengths=np.array([20, 9])), True),
+    (dict(query_seq_lengths=np.array([20, 9])), True),
+    (dict(mask=np.ones((1, 1, 17, 24), bool)), True),
+    (dict(mask_fn=lambda b, h, i, j: i >= j), True),
+    (dict(bias=np.zeros((1, 1, 17, 24), np.float32)), True),
+    (dict(local_window_size=(0, 0), causal_alignment="bottom_right", is_causal=True), False),
+])
+def test_empty_row_pass_runs_only_where_a_row_can_be_empty(kwargs, finalized, monkeypatch):
+  """The pass that gives empty rows jax.nn's values reads and rewrites the whole output: it is
+  traced only when lengths, masks, the user's functions, a bias or the band can empty a row."""
+  calls = []
+  original = pallas_attn.numerics.finalize_empty_rows
+  monkeypatch.setattr(pallas_attn.numerics, "finalize_empty_rows",
+                      lambda *a: calls.append(1) or original(*a))
+  q = jax.ShapeDtypeStruct((2, 17, 2, 64), jnp.float32)
+  kv = jax.ShapeDtypeStruct((2, 24, 2, 64), jnp.float32)
+  jax.eval_shape(lambda q, k, v: pallas_attn.attention(q, k, v, implementation="blocked_jax",
+                                                       **kwargs), q, kv, kv)
+  assert bool(calls) == finalized
+
+
+def test_band_past_the_keys_still_gets_jax_nn_values():
+  """Bottom-right causal with more queries than keys empties the first rows: the pass runs and
+  they match jax.nn (mean of v)."""
+  keys = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(keys[0], (1, 9, 2, 32))
+  k, v = (jax.random.normal(key, (1, 4, 2, 32)) for key in keys[1:])
+  got = pallas_attn.attention(q, k, v, is_causal=True, causal_alignment="bottom_right",
+                              implementation="blocked_jax")
+  np.testing.assert_allclose(np.asarray(got[0, 0]), np.asarray(v[0].mean(axis=0)), rtol=1e-5,
+                             atol=1e-6)
+  assert np.isfinite(np.asarray(got)).all()

@@ -104,3 +104,16 @@ def test_segment_blocks_meet_never_hides_a_visible_tile(sort, block_q, block_kv)
         assert meet[i, j], (i, j)
   if sort:
     assert not meet.all()
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("window", [None, (0, 0), (3, 0), (0, 2), (5, 7)])
+@pytest.mark.parametrize("offset", [-9, -1, 0, 4])
+@pytest.mark.parametrize("q_len,kv_len", [(1, 1), (7, 3), (3, 7), (12, 12)])
+def test_every_row_sees_a_key_matches_brute_force(is_causal, window, offset, q_len, kv_len):
+  spec = mask_lib.MaskSpec(is_causal=is_causal, local_window=window, offset=offset)
+  q_pos = np.arange(q_len)[:, None]
+  kv_pos = np.arange(kv_len)[None, :]
+  dense = np.asarray(mask_lib.visible(spec, jnp.asarray(q_pos), jnp.asarray(kv_pos)))
+  dense = np.broadcast_to(dense, (q_len, kv_len))
+  assert mask_lib.every_row_sees_a_key(spec, q_len, kv_len) == bool(dense.any(axis=1).all())
