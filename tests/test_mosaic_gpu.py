@@ -107,6 +107,8 @@ _VARIANTS = {
                      "dkv": _K(64, 64, stages=3)},
     "overlap_qk_kv64_3stages": {"fwd": _K(64, 64, stages=3, overlap_qk=True)},
     "overlap_qk_no_ping_pong": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False)},
+    "fold_scale_ro_store": {"fwd": _K(64, 128, fold_scale=True, read_only_store_wait=True)},
+    "fold_scale_overlap_qk": {"fwd": _K(64, 64, stages=3, overlap_qk=True, fold_scale=True)},
 }
 # Two query tiles of 128 rows and several key blocks at every block_kv, odd lengths.
 _CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_203x203")
@@ -118,6 +120,9 @@ _VARIANT_CASES = [
     ("overlap_qk_kv64_3stages", _CAUSAL_203),
     ("overlap_qk_kv64_3stages", cases.get_case("lengths_kv0_113x203")),  # rows with no key
     ("overlap_qk_no_ping_pong", cases.get_case("window_l32_r8_203x113")),
+    # Unmasked tiles (folded) next to masked ones (scaled by the scorer) in one running max.
+    ("fold_scale_ro_store", _CAUSAL_203),
+    ("fold_scale_overlap_qk", _CAUSAL_203),
 ]
 
 
@@ -169,6 +174,7 @@ _LOWERED_VARIANTS = [
     (256, {"fwd": _K(64, 128, stages=1)}),
     (128, {"fwd": _K(64, 128, stages=3, overlap_qk=True)}),
     (256, {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)}),
+    (128, {"fwd": _K(64, 128, fold_scale=True, read_only_store_wait=True)}),
 ]
 
 

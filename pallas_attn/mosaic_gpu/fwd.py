@@ -22,7 +22,9 @@ Options of `cfg` (config.KernelConfig) beyond the tile sizes: `ping_pong` (the t
 take turns at the tensor cores, FlashAttention-3), `overlap_qk` (each warpgroup runs tile j's
 softmax while its tile j - 1 P V is on the tensor cores), `reverse_q_tiles` (the CTA at grid
 index i owns the i-th query tile from the end: causal CTAs with the most keys start first) and
-`grid_order` (launch order).
+`grid_order` (launch order), `fold_scale` (scale * log2(e) folded into exp2's fused multiply-add
+on unmodified, unmasked tiles) and `read_only_store_wait` (the epilogue waits for its TMA stores
+to read shared memory only).
 """
 
 from __future__ import annotations
@@ -100,6 +102,10 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       slot_of = lambda j: lax.rem(j - cta_lo, stages)
     scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch, head=head,
                                         row_start=q_start, rows=block_q, kv_length=kv_length)
+    # cfg.fold_scale applies where an unmasked tile's base-2 logits are q.k^T * scale * log2(e)
+    # alone (what `scores` computes without a soft-cap, bias, ALiBi or score_fn).
+    fold_scale = cfg.fold_scale and (mods.soft_cap is None and mods.bias is None
+                                     and not mods.alibi and mods.element_fns is None)
 
     def meet():
       """One ping-pong meeting of the two compute warpgroups (no-op without ping-pong)."""
@@ -116,22 +122,33 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       return carry
 
     def qk(j, slot, masked: bool):
-      """Tile j's logits S = q k^T with its modifiers and masks; frees the K slot."""
+      """Tile j's logits S = q k^T with its modifiers and masks; frees the K slot. Returns
+      (s, cols, c): the base-2 logits are s * c (c = 1.0 unless `cfg.fold_scale` left the
+      scaling of this tile to `online_softmax`)."""
       cols = scores.columns(j, block_kv, masked=masked)
       plgpu.barrier_wait(k_full.at[slot])
       # The first meeting lets the other warpgroup's softmax start once this QK^T is issued.
       s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv),  # [block_q, block_kv]
                         while_running=meet)
       plgpu.barrier_arrive(k_free.at[slot])
+      if fold_scale and not masked:  # the raw tile: online_softmax scales its max instead
+        return s, cols, scale * common.LOG2E
       s, _ = scores(s, cols, masked=masked)
-      return s, cols
+      return s, cols, 1.0
 
-    def online_softmax(s, m_i, l_i):
-      """Online softmax in base 2: (p, m_new, l_new, alpha), the old state to be rescaled by
-      alpha = 2^(m_old - m_new)."""
-      m_new = jnp.maximum(m_i, s.max(axis=1))
+    def online_softmax(s, m_i, l_i, c=1.0):
+      """Online softmax in base 2 of the logits s * c: (p, m_new, l_new, alpha), the old state
+      to be rescaled by alpha = 2^(m_old - m_new). c > 0, so max(s * c) = max(s) * c, and
+      s * c - m is one fused multiply-add."""
+      if c == 1.0:
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+      else:
+        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
       alpha = jnp.exp2(m_i - m_new)
-      p = jnp.exp2(s - common.broadcast_rows(m_new, s.shape))
+      if c == 1.0:
+        p = jnp.exp2(s - common.broadcast_rows(m_new, s.shape))
+      else:
+        p = jnp.exp2(s * c - common.broadcast_rows(m_new, s.shape))
       l_i = l_i * alpha + p.sum(axis=1)  # the undropped row sum: lse ignores dropout
       return p, m_new, l_i, alpha
 
@@ -150,8 +167,8 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     def step(slot, j, carry, *, masked: bool):
       """Key block j, in ring slot `slot`."""
       acc, m_i, l_i = carry
-      s, cols = qk(j, slot, masked)
-      p, m_new, l_i, alpha = online_softmax(s, m_i, l_i)
+      s, cols, c = qk(j, slot, masked)
+      p, m_new, l_i, alpha = online_softmax(s, m_i, l_i, c)
       acc = acc * common.broadcast_rows(alpha, acc.shape)
       p = scores.dropped(p, scores.dropout_keep(p, cols))  # kept weights / (1 - rate)
       tensor_core_turn(slot)  # the second meeting: softmax done
@@ -165,19 +182,19 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     # P V follows the loop. V slot j - 1 is freed in step j, so the ring needs 2 slots.
     def first_step(carry):
       acc, m_i, l_i, _ = carry
-      s, cols = qk(lo, slot_of(lo), masked=True)  # (masking a tile that needs none is exact)
-      p, m_new, l_i, _ = online_softmax(s, m_i, l_i)  # acc is zero: nothing to rescale
+      s, cols, c = qk(lo, slot_of(lo), masked=True)  # (masking a tile that needs none is exact)
+      p, m_new, l_i, _ = online_softmax(s, m_i, l_i, c)  # acc is zero: nothing to rescale
       meet()  # this block's second meeting
       return acc, m_new, l_i, scores.dropped(p, scores.dropout_keep(p, cols)).astype(dtype)
 
     def overlapped_step(j, carry, *, masked: bool):
       acc, m_i, l_i, p_prev = carry
       slot, prev = slot_of(j), slot_of(j - 1)
-      s, cols = qk(j, slot, masked)
+      s, cols, c = qk(j, slot, masked)
       tensor_core_turn(prev)
       pv, (p, m_new, l_i, alpha) = common.matmul_overlapped(
           p_prev, v_smem.at[prev], acc.shape, staging,
-          while_running=lambda: online_softmax(s, m_i, l_i))
+          while_running=lambda: online_softmax(s, m_i, l_i, c))
       plgpu.barrier_arrive(v_free.at[prev])
       acc = (acc + pv) * common.broadcast_rows(alpha, acc.shape)
       return acc, m_new, l_i, scores.dropped(p, scores.dropout_keep(p, cols)).astype(dtype)
@@ -232,7 +249,10 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-    plgpu.wait_smem_to_gmem(0)
+    if cfg.read_only_store_wait:  # the stores have read q_smem / lse_smem: the CTA may retire
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    else:
+      plgpu.wait_smem_to_gmem(0)
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
