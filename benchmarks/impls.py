@@ -27,6 +27,7 @@ from benchmarks.shapes import Shape
 
 NAMES = (
     "pallas_attn:mosaic_gpu",
+    "pallas_attn:mosaic_gpu_mask_fn",
     "pallas_attn:blocked_jax",
     "pallas_attn:reference",
     "jax_xla",
@@ -96,6 +97,25 @@ def _pallas_attn(implementation: str, interpret: bool):
   return attend
 
 
+def _pallas_attn_mask_fn(interpret: bool):
+  """The Mosaic GPU kernels with the masked shapes' window and documents written as one
+  FlexAttention-style mask_fn instead of local_window_size / segment_ids: what the block tables
+  built from mask_fn (`mosaic_gpu.block_mask`) skip, against the native arguments' skipping."""
+  def attend(q, k, v, *, is_causal, window=None, segment_len=None):
+    def mask_fn(b, h, q_idx, kv_idx):
+      keep = []
+      if window is not None:
+        keep.append(q_idx - kv_idx <= window)
+      if segment_len is not None:
+        keep.append(q_idx // segment_len == kv_idx // segment_len)
+      return functools.reduce(jnp.logical_and, keep)
+
+    masked = window is not None or segment_len is not None
+    return pallas_attn.attention(q, k, v, is_causal=is_causal, implementation="mosaic_gpu",
+                                 interpret=interpret, mask_fn=mask_fn if masked else None)
+  return attend
+
+
 def _jax_nn(implementation: str):
   def attend(q, k, v, *, is_causal, window=None, segment_len=None):
     return jax.nn.dot_product_attention(q, k, v, mask=_document_mask(q.shape[1], segment_len),
@@ -125,6 +145,9 @@ def get(name: str, platform: str) -> Impl:
   "blocked_jax" or "cudnn") on `platform` ("cpu" or "gpu")."""
   name = resolve(name)
   on_cpu = platform == "cpu"
+  if name == "pallas_attn:mosaic_gpu_mask_fn":
+    return Impl(name, _pallas_attn_mask_fn(on_cpu), interpret=on_cpu,
+                version=pallas_attn.__version__)
   if name.startswith("pallas_attn:"):
     which = name.split(":", 1)[1]
     interpret = on_cpu and which == "mosaic_gpu"
@@ -154,6 +177,9 @@ def wanted(impl: Impl, shape: Shape, platform: str) -> bool:
   they are there to show the gap to the kernels, and the whole grid would add a third to the
   sweep's time.
   """
+  if impl.name == "pallas_attn:mosaic_gpu_mask_fn":  # only the masked shapes have a mask_fn
+    return shape.family == "masked" and (not impl.interpret
+                                         or shape.score_elements <= INTERPRET_MAX_SCORES)
   if impl.interpret:
     return shape.score_elements <= INTERPRET_MAX_SCORES
   if impl.portable and platform != "cpu":

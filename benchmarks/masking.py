@@ -77,7 +77,7 @@ def skipped_block_fraction(shape: Shape, block_q: int, block_kv: int,
 def implementation_tiles(name: str, shape: Shape) -> tuple[int, int, bool] | None:
   """(block_q, block_kv, skips by segment) of a pallas_attn path's forward tiles; None for the
   other implementations (their tiling is not ours to know)."""
-  if name == "pallas_attn:mosaic_gpu":
+  if name in ("pallas_attn:mosaic_gpu", "pallas_attn:mosaic_gpu_mask_fn"):
     cfg = mosaic_config.forward_config(shape.head_dim)
     return cfg.block_q, cfg.block_kv, True
   if name == "pallas_attn:blocked_jax":

@@ -18,6 +18,7 @@ from benchmarks.shapes import masking_suffix
 
 SHORT = {
     "pallas_attn:mosaic_gpu": "mosaic_gpu",
+    "pallas_attn:mosaic_gpu_mask_fn": "mgpu_mask_fn",
     "pallas_attn:blocked_jax": "blocked_jax",
     "pallas_attn:reference": "reference",
     "jax_xla": "xla",

@@ -11,11 +11,15 @@ CPU paths (the Mosaic GPU kernels in the Pallas interpreter, the portable blocke
 reference, jax.nn's xla) on tiny shapes, so that a new user sees it work anywhere. Every result is
 checked against a float32 reference where that fits, and every row says how much memory the call
 needs. See benchmarks/README.md for the columns.
+
+On a GPU the sweep's compiles are first built by worker processes into JAX's persistent
+compilation cache (`--compile-processes`, see precompile.py); the timing process then loads them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import subprocess
@@ -23,10 +27,13 @@ import sys
 import tempfile
 import time
 
+import jax
 import jax.numpy as jnp
 
+from benchmarks import compile_cache
 from benchmarks import impls as impls_lib
 from benchmarks import memory
+from benchmarks import precompile
 from benchmarks import report
 from benchmarks import shapes as shapes_lib
 from benchmarks import sweep
@@ -73,6 +80,19 @@ def parse_args(argv=None):
                  help="threads compiling a shape's calls before they are timed; more is faster "
                       "on a many-core host, but XLA's GPU autotuner then times its candidates "
                       "concurrently and may pick worse kernels for the xla path")
+  p.add_argument("--compile-processes", type=int, default=None,
+                 help="worker processes that compile the whole sweep into JAX's persistent "
+                      "compilation cache before anything is timed (the timing process then loads "
+                      "from it); they have exited before the first call is timed (default: "
+                      "min(8, cores - 1) on a GPU, 0 on the CPU)")
+  p.add_argument("--compile-cache", default=None,
+                 help="the persistent compilation cache's directory, kept after the run (a later "
+                      "run with the same shapes then loads every call from it); default: a "
+                      "temporary directory when --compile-processes > 0, else no cache")
+  p.add_argument("--compile-budget", type=float, default=None,
+                 help="seconds after which the pre-pass's workers take no more compiles (the "
+                      "timing process compiles the rest itself); counts against --time-budget "
+                      "(default: half of --time-budget, no limit without one)")
   p.add_argument("--time-budget", type=float, default=None,
                  help="seconds; once spent, the remaining measurements are recorded as skipped "
                       "(default 420 on a GPU, so one command ends within 8 minutes; 0: no limit)")
@@ -103,6 +123,9 @@ def parse_args(argv=None):
   p.add_argument("--quiet", action="store_true", help="no progress bar, no tables")
   p.add_argument("--run-id", default=None, help=argparse.SUPPRESS)
   p.add_argument("--in-process-search", action="store_true", help=argparse.SUPPRESS)
+  # A pre-pass worker (precompile.py): its shared directory and the time it stops claiming.
+  p.add_argument("--compile-worker", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--compile-deadline", type=float, default=0, help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
 
@@ -115,6 +138,8 @@ class Progress:
     if not quiet:
       try:
         import tqdm  # pylint: disable=import-outside-toplevel
+        # No monitor thread: nothing but the timing thread may want the GIL while calls are timed.
+        tqdm.tqdm.monitor_interval = 0
         self.bar = tqdm.tqdm(total=total, unit="call", dynamic_ncols=True, file=sys.stderr)
       except ImportError:
         pass
@@ -205,15 +230,10 @@ def print_plan(plan, cfg: sweep.SweepConfig, out_path: pathlib.Path):
         f"{'/'.join(cfg.passes)}, dtype {cfg.dtype} -> {out_path}")
 
 
-def main(argv=None) -> list[dict]:
-  args = parse_args(argv)
-  started = time.perf_counter()
-  plat = sweep.platform()
-  on_gpu = plat != "cpu"
-  ctx = sweep.run_context()
-  if args.run_id:
-    ctx["run_id"] = args.run_id
-
+def configure(args, on_gpu: bool):
+  """(shapes, implementations, SweepConfig) for the arguments on this platform. The pre-pass's
+  workers call it too, so that they build exactly the calls the sweep will time."""
+  plat = "gpu" if on_gpu else "cpu"
   if args.shapes:
     preset = args.shapes
   elif on_gpu:
@@ -222,7 +242,7 @@ def main(argv=None) -> list[dict]:
     preset = "tiny" if args.quick else "cpu"
   shapes = shapes_lib.preset(preset)
   names = ([impls_lib.resolve(n) for n in args.impls.split(",")] if args.impls
-           else list(impls_lib.DEFAULT_NAMES["gpu" if on_gpu else "cpu"]))
+           else list(impls_lib.DEFAULT_NAMES[plat]))
   impl_list = [impls_lib.get(n, plat) for n in names]
   passes = tuple(p for p in args.passes.split(",") if p)
   for p in passes:
@@ -233,15 +253,81 @@ def main(argv=None) -> list[dict]:
       repeats=args.repeats or (7 if on_gpu and not args.quick else 5 if on_gpu else 3),
       max_calls=args.max_calls or (20 if on_gpu else 5),
       target_repeat_s=(args.target_repeat_ms or (20 if args.quick else 25)) / 1e3)
-  budget = args.time_budget if args.time_budget is not None else (420 if on_gpu else 0)
   cfg = sweep.SweepConfig(
       dtype=args.dtype, passes=passes, timing=timing_cfg,
       check_max_scores=int(args.check_max_scores or (2 ** 29 if on_gpu else 2 ** 30)),
       compile_workers=args.compile_workers or 1, seed=args.seed,
-      time_budget_s=budget or None, all_pairs=args.all_pairs)
+      time_budget_s=_time_budget(args, on_gpu) or None, all_pairs=args.all_pairs)
+  return shapes, impl_list, cfg
 
-  out_path = pathlib.Path(args.out) if args.out else default_out(ctx["device"], plat)
-  done = report.done_keys(report.load(out_path)) if args.resume else frozenset()
+
+def _time_budget(args, on_gpu: bool) -> float:
+  """--time-budget, or its platform default (0: no limit)."""
+  return args.time_budget if args.time_budget is not None else (420 if on_gpu else 0)
+
+
+def _out_path(args, plat: str) -> pathlib.Path:
+  return pathlib.Path(args.out) if args.out else default_out(jax.devices()[0].device_kind, plat)
+
+
+def _done(args, out_path: pathlib.Path) -> frozenset:
+  """--resume: the measurements the results file already holds."""
+  return report.done_keys(report.load(out_path)) if args.resume else frozenset()
+
+
+def _compile_worker(args):
+  """--compile-worker DIR, started by the pre-pass: build the sweep's compiles it claims into
+  --compile-cache, then exit. Nothing runs and nothing is timed; the results file is only read."""
+  plat = sweep.platform()
+  shapes, impl_list, cfg = configure(args, plat != "cpu")
+  planned = sweep.plan(shapes, impl_list, cfg, plat, _done(args, _out_path(args, plat)))
+  with compile_cache.enabled(args.compile_cache):
+    precompile.work(sweep.compile_jobs(planned, cfg), args.compile_worker,
+                    args.compile_deadline or None)
+
+
+def _prepass_processes(args) -> int:
+  if args.list or args.shapes == "none":
+    return 0
+  if args.compile_processes is not None:
+    return max(0, args.compile_processes)
+  return precompile.default_processes(precompile.gpu_visible())
+
+
+def main(argv=None) -> list[dict]:
+  argv = list(sys.argv[1:] if argv is None else argv)
+  args = parse_args(argv)
+  if args.compile_worker:
+    _compile_worker(args)
+    return []
+  started = time.perf_counter()
+  processes = _prepass_processes(args)
+  with precompile.cache_dir(args.compile_cache, processes > 0) as cache:
+    prepass = None
+    if processes:
+      # Before this process starts its backend: on a GPU that takes 75% of the memory, which the
+      # workers' autotuning needs while they run.
+      budget = _time_budget(args, precompile.gpu_visible())
+      compile_budget = args.compile_budget if args.compile_budget is not None else budget / 2
+      prepass = precompile.run_prepass(argv, processes, cache, compile_budget or None,
+                                       args.quiet)
+      if not args.quiet:
+        print(prepass.summary(), file=sys.stderr, flush=True)
+    with compile_cache.enabled(cache):
+      return _run(args, started, prepass)
+
+
+def _run(args, started: float, prepass: precompile.Prepass | None) -> list[dict]:
+  """The sweep, the out-of-memory search and the summary (the pre-pass, if any, is done)."""
+  plat = sweep.platform()
+  on_gpu = plat != "cpu"
+  ctx = sweep.run_context()
+  if args.run_id:
+    ctx["run_id"] = args.run_id
+  shapes, impl_list, cfg = configure(args, on_gpu)
+  budget = cfg.time_budget_s
+  out_path = _out_path(args, plat)
+  done = _done(args, out_path)
   if args.list:
     print_plan(sweep.plan(shapes, impl_list, cfg, plat, done), cfg, out_path)
     return []
@@ -252,12 +338,15 @@ def main(argv=None) -> list[dict]:
     if ceiling_n and sweep.plan(shapes, impl_list, cfg, plat, done):
       dtype = sweep.DTYPES[args.dtype]
       row = {"kind": "matmul_ceiling", "implementation": "matmul", "dtype": jnp.dtype(dtype).name,
-             **timing.matmul_ceiling(ceiling_n, dtype, timing_cfg), **ctx}
+             **timing.matmul_ceiling(ceiling_n, dtype, cfg.timing), **ctx}
       ceiling_tflops = row["tflops"]
       out(row)
 
     plan = sweep.plan(shapes, impl_list, cfg, plat, done)
     progress = Progress(sum(len(tasks) for _, tasks in plan), args.quiet)
+    if budget:  # the pre-pass and the ceiling count against it
+      left = max(0.0, budget - (time.perf_counter() - started))
+      cfg = dataclasses.replace(cfg, time_budget_s=left)
     sweep.run_sweep(shapes, impl_list, cfg, out, progress, ceiling_tflops, ctx, done)
     progress.close()
 
@@ -268,8 +357,8 @@ def main(argv=None) -> list[dict]:
       limit = (int(args.memory_limit_gib * 2 ** 30) if args.memory_limit_gib is not None
                else memory.device_memory_limit() if on_gpu else 2 ** 30)
       if on_gpu and not args.in_process_search:
-        _search_in_subprocesses(args, [i for i in impl_list if not i.interpret], passes, out, ctx,
-                                cfg.time_budget_s, started)
+        _search_in_subprocesses(args, [i for i in impl_list if not i.interpret], cfg.passes, out,
+                                ctx, budget, started)
       else:
         progress = Progress(None, args.quiet)
         for impl in impl_list:
@@ -283,6 +372,9 @@ def main(argv=None) -> list[dict]:
 
   if not args.quiet:
     print(report.summary(report.load(out_path), memory=not on_gpu))
+    for line in (prepass.summary() if prepass else None, precompile.main_summary(out.rows)):
+      if line:
+        print(line)
     print(f"\n{len(out.rows)} rows -> {out_path}  ({time.perf_counter() - started:.0f} s)")
   return out.rows
 

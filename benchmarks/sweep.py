@@ -5,6 +5,8 @@ asked; compiling needs no data), draw fresh random inputs, compute the float32 r
 time the calls one after another, each checked against the reference. Nothing compiles while a
 call is timed: compiling in background threads (tried on the H200, session 3) starved the timing
 thread of the GIL, so the device idled between enqueued calls and rates came out 10-100x low.
+Compiling ahead in other processes (`precompile.py`) is safe: they have finished before the first
+call is timed, and they hand the executables over through JAX's persistent compilation cache.
 Anything that fails (an unsupported shape, a missing package, out of memory) becomes a row whose
 `error` says why, and the sweep goes on.
 """
@@ -15,12 +17,13 @@ import concurrent.futures
 import dataclasses
 import datetime
 import time
-from typing import Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import compile_cache
 from benchmarks import impls as impls_lib
 from benchmarks import masking
 from benchmarks import memory
@@ -44,8 +47,7 @@ class SweepConfig:
   # Check against the float32 reference where the full score matrix has at most this many entries
   # (the reference materializes it, with its gradient, in float32).
   check_max_scores: int = 2 ** 30
-  compile_workers: int = 1
-  # Shapes whose calls compile in background threads while the current shape is timed (0: off).
+  compile_workers: int = 1  # threads building one shape's calls, all joined before it is timed
   seed: int = 0
   time_budget_s: float | None = None  # past it, remaining measurements are recorded as skipped
   all_pairs: bool = False  # measure every implementation at every shape (see impls.wanted)
@@ -91,7 +93,8 @@ def attention_row(ctx: dict, impl: impls_lib.Impl, shape: Shape, pass_: str, dty
           "gb_per_s": None, "pct_of_matmul": None,
           "flops": timing.attention_flops(shape, pass_), "peak_bytes": None, "temp_bytes": None,
           "alloc_peak_bytes": None, "max_rel_err": None, "error": None, "error_kind": None,
-          "compile_s": None, "calls_per_repeat": None, "repeats": None,
+          "compile_s": None, "lower_s": None, "cache_hit": None, "measure_s": None,
+          "calls_per_repeat": None, "repeats": None,
           "interpret": impl.interpret, "impl_version": impl.version,
           **masking.masking_fields(impl.name, shape), **ctx}
 
@@ -101,14 +104,34 @@ def _fail(row: dict, error: BaseException) -> dict:
   return row
 
 
-def compile_call(impl: impls_lib.Impl, shape: Shape, pass_: str, dtype):
-  """(compiled, seconds) for one implementation's timed function; raises what compiling raises."""
+@dataclasses.dataclass(frozen=True)
+class Build:
+  """A compiled call and what building it cost in this process."""
+  executable: Any
+  compile_s: float  # tracing, lowering and XLA's compile (or the persistent cache's load)
+  lower_s: float  # tracing and lowering alone: Python work that no compilation cache saves
+  cache_hit: bool | None  # loaded from the persistent cache; None when none is enabled
+
+
+def build_call(impl: impls_lib.Impl, shape: Shape, pass_: str, dtype) -> Build:
+  """Compiles one implementation's timed function; raises what compiling raises."""
   if impl.attend is None:
     raise ImportError(impl.unavailable)
   fn = impls_lib.timed_fn(impl.attend, shape, pass_)
+  hits = compile_cache.hits()
   start = time.perf_counter()
-  compiled = jax.jit(fn).lower(*impls_lib.arg_specs(shape, pass_, dtype)).compile()
-  return compiled, time.perf_counter() - start
+  lowered = jax.jit(fn).lower(*impls_lib.arg_specs(shape, pass_, dtype))
+  lowered_at = time.perf_counter()
+  compiled = lowered.compile()
+  end = time.perf_counter()
+  hit = compile_cache.hits() > hits if compile_cache.active() else None
+  return Build(compiled, end - start, lowered_at - start, hit)
+
+
+def compile_call(impl: impls_lib.Impl, shape: Shape, pass_: str, dtype):
+  """(compiled, seconds) for one implementation's timed function; raises what compiling raises."""
+  build = build_call(impl, shape, pass_, dtype)
+  return build.executable, build.compile_s
 
 
 def _attempt(thunk):
@@ -200,7 +223,7 @@ def plan(shapes: Iterable[Shape], impls: list[impls_lib.Impl], cfg: SweepConfig,
 def _shape_jobs(shape: Shape, tasks, cfg: SweepConfig, check: bool) -> dict:
   """{(name, pass): thunk} compiling what one shape is measured with (and its f32 reference)."""
   dtype = cfg.jnp_dtype
-  jobs = {(impl.name, p): (lambda impl=impl, p=p: compile_call(impl, shape, p, dtype))
+  jobs = {(impl.name, p): (lambda impl=impl, p=p: build_call(impl, shape, p, dtype))
           for impl, p in tasks}
   if check:
     ref_fwd, ref_bwd = impls_lib.reference_fns(shape)
@@ -209,6 +232,19 @@ def _shape_jobs(shape: Shape, tasks, cfg: SweepConfig, check: bool) -> dict:
         jobs[("reference_f32", p)] = (
             lambda fn=fn, p=p: jax.jit(fn).lower(*impls_lib.arg_specs(shape, p, dtype)).compile())
   return jobs
+
+
+def _checked(shape: Shape, cfg: SweepConfig) -> bool:
+  """Whether the shape's results are compared with the float32 reference."""
+  return shape.score_elements <= cfg.check_max_scores
+
+
+def compile_jobs(planned, cfg: SweepConfig) -> list[tuple[str, Callable]]:
+  """[(label, thunk)]: every compile the sweep of `planned` (from `plan`) will make, in the order
+  it makes them (what the compile pre-pass builds ahead of it)."""
+  return [(f"{name} {p} {shape.name}", thunk)
+          for shape, tasks in planned
+          for (name, p), thunk in _shape_jobs(shape, tasks, cfg, _checked(shape, cfg)).items()]
 
 
 def run_sweep(shapes: Iterable[Shape], impls: list[impls_lib.Impl], cfg: SweepConfig,
@@ -223,7 +259,7 @@ def run_sweep(shapes: Iterable[Shape], impls: list[impls_lib.Impl], cfg: SweepCo
   plat = platform()
   start = time.perf_counter()
   planned = plan(shapes, impls, cfg, plat, done)
-  checked = [shape.score_elements <= cfg.check_max_scores for shape, _ in planned]
+  checked = [_checked(shape, cfg) for shape, _ in planned]
   over_budget = lambda: (cfg.time_budget_s is not None
                          and time.perf_counter() - start > cfg.time_budget_s)
   for index, (shape, tasks) in enumerate(planned):
@@ -269,11 +305,16 @@ def _time_shape(shape: Shape, tasks, index: int, cfg: SweepConfig, compiled: dic
     if err is not None:
       emit(_fail(row, err))
       continue
-    executable, row["compile_s"] = result
+    executable = result.executable
+    row["compile_s"], row["lower_s"], row["cache_hit"] = (result.compile_s, result.lower_s,
+                                                          result.cache_hit)
     row.update(memory.compiled_memory(executable))
     cfg_t = cfg.interpret_timing if impl.interpret else cfg.timing
     args = inputs[:3] if p == "fwd" else inputs
-    emit(measure(executable, args, row, shape, p, cfg_t, refs.get(p), ceiling_tflops))
+    start = time.perf_counter()
+    measure(executable, args, row, shape, p, cfg_t, refs.get(p), ceiling_tflops)
+    row["measure_s"] = time.perf_counter() - start
+    emit(row)
     del executable, result
 
 

@@ -71,6 +71,9 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # b. Forward tiles.
     "fwd_kv64": {"fwd": dict(block_kv=64)},
     "fwd_kv64_3st": {"fwd": dict(block_kv=64, stages=3)},
+    # Deeper rings for decode (few rows, a long K/V stream: bytes in flight per SM matter).
+    "fwd_kv64_4st": {"fwd": dict(block_kv=64, stages=4)},
+    "fwd_kv64_6st": {"fwd": dict(block_kv=64, stages=6)},
     "fwd_kv128": {"fwd": dict(block_kv=128)},
     "fwd_kv128_1st": {"fwd": dict(block_kv=128, stages=1)},
     "fwd_kv128_3st": {"fwd": dict(block_kv=128, stages=3)},
@@ -84,6 +87,10 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_overlap_kv64_3st": {"fwd": dict(overlap_qk=True, block_kv=64, stages=3)},
     "fwd_overlap_no_pp": {"fwd": dict(overlap_qk=True, ping_pong=False)},
     "fwd_overlap_kv64_no_pp": {"fwd": dict(overlap_qk=True, block_kv=64, ping_pong=False)},
+    # f. Forward instruction count and epilogue (benchmarks/FWD_GAP_ANALYSIS.md).
+    "fwd_fold_scale": {"fwd": dict(fold_scale=True)},
+    "fwd_ro_store": {"fwd": dict(read_only_store_wait=True)},
+    "fwd_fold_ro": {"fwd": dict(fold_scale=True, read_only_store_wait=True)},
     # c. dQ tiles.
     "dq_kv128": {"dq": dict(block_kv=128)},
     "dq_kv128_1st": {"dq": dict(block_kv=128, stages=1)},

@@ -10,8 +10,10 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 
+from benchmarks import compile_cache  # noqa: E402
 from benchmarks import impls  # noqa: E402
 from benchmarks import masking  # noqa: E402
+from benchmarks import precompile  # noqa: E402
 from benchmarks import report  # noqa: E402
 from benchmarks import run  # noqa: E402
 from benchmarks import shapes  # noqa: E402
@@ -375,3 +377,56 @@ def test_tune_times_nothing_unchecked_when_the_default_fails(monkeypatch):
   by_variant = {r["variant"]: r for r in rows}
   assert by_variant["default"]["error_kind"] == "wrong"
   assert "not checked" in by_variant["fwd_kv64"]["error"]
+
+
+# ---- benchmarks/precompile.py: the compile pre-pass in worker processes ----------------------
+
+SMALL_SWEEP = ["--quick", "--impls", "blocked_jax,jax_xla", "--passes", "fwd", "--quiet",
+               "--repeats", "1", "--max-calls", "2", "--ceiling-size", "0",
+               "--no-max-seq-search"]
+
+
+def _measured(rows) -> dict:
+  return {report.measurement_key(r): r for r in rows if r["kind"] == "attention"}
+
+
+def test_compile_prepass_fills_the_cache_and_the_sweep_loads_it(tmp_path):
+  """Two worker processes build the sweep's compiles into the persistent cache; the timing
+  process then loads every call from it and measures the same rows as a run without them."""
+  cache = tmp_path / "cache"
+  plain = run.main(SMALL_SWEEP + ["--out", str(tmp_path / "plain.jsonl"),
+                                  "--compile-processes", "0"])
+  rows = run.main(SMALL_SWEEP + ["--out", str(tmp_path / "prepass.jsonl"),
+                                 "--compile-processes", "2", "--compile-cache", str(cache)])
+  # Each of 3 shapes: 2 implementations and the float32 reference, built by the workers.
+  assert compile_cache.entries(cache) >= 9
+  got, want = _measured(rows), _measured(plain)
+  assert set(got) == set(want) and len(got) == 6
+  for key, row in got.items():
+    check_schema(row)
+    assert row["error"] is None, row
+    assert row["cache_hit"] is True and 0 <= row["lower_s"] <= row["compile_s"], row
+    assert row["measure_s"] > 0
+    # The same inputs through the same executable (built in another process): the same error.
+    assert row["max_rel_err"] == pytest.approx(want[key]["max_rel_err"], rel=1e-6), key
+  assert all(r["cache_hit"] is None for r in want.values())  # no cache without --compile-cache
+
+
+def test_compile_prepass_survives_its_workers_failing(tmp_path):
+  """A worker that dies builds nothing and is reported; the pre-pass itself does not raise."""
+  done = precompile.run_prepass(["--shapes", "no_such_preset"], 1, str(tmp_path), None, True)
+  assert done.compiled == 0 and len(done.worker_failures) == 1
+  assert "no_such_preset" in done.worker_failures[0]
+
+
+def test_compile_workers_claim_each_compile_once(tmp_path):
+  built = []
+  jobs = [(str(i), lambda i=i: built.append(i)) for i in range(3)]
+  jobs.append(("fails", lambda: 1 / 0))
+  precompile.work(jobs, tmp_path, None)
+  precompile.work(jobs, tmp_path, None)  # a second worker finds everything claimed
+  assert built == [0, 1, 2]
+  reports = [json.loads(line) for p in tmp_path.glob("report-*.jsonl")
+             for line in p.read_text().splitlines()]
+  assert [r["job"] for r in reports] == ["0", "1", "2", "fails"]
+  assert "ZeroDivisionError" in reports[-1]["error"]
