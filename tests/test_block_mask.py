@@ -220,3 +220,16 @@ def test_gpu_structured_masks_match_reference(name, head_dim, seed):
   _poison_allocator(256 << 20)
   _check_structured_mask(name, seed, q_len=1000, kv_len=1537, head_dim=head_dim,
                          interpret=False)
+
+
+def test_position_only_mask_fn_is_classified_while_tracing():
+  """A mask_fn of positions alone costs nothing per call: its tiles are a constant of the
+  program. One that reads the head index is evaluated in the program (a loop over chunks)."""
+  def traced(mask_fn):
+    mods, arrays = _element_fns_call(mask_fn, 2, 3, 300, 333)
+    fn = lambda arrays: block_mask.fine_visibility(mods, arrays, 384, 384)
+    return jax.make_jaxpr(fn)(arrays)
+
+  constant = traced(window_48)
+  assert not constant.jaxpr.eqns and len(constant.consts) == 2  # (visible, full) as constants
+  assert "scan" in {eqn.primitive.name for eqn in traced(head_windows).jaxpr.eqns}
