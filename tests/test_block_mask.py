@@ -223,13 +223,16 @@ def test_gpu_structured_masks_match_reference(name, head_dim, seed):
 
 
 def test_position_only_mask_fn_is_classified_while_tracing():
-  """A mask_fn of positions alone costs nothing per call: its tiles are a constant of the
-  program. One that reads the head index is evaluated in the program (a loop over chunks)."""
-  def traced(mask_fn):
-    mods, arrays = _element_fns_call(mask_fn, 2, 3, 300, 333)
-    fn = lambda arrays: block_mask.fine_visibility(mods, arrays, 384, 384)
-    return jax.make_jaxpr(fn)(arrays)
-
-  constant = traced(window_48)
-  assert not constant.jaxpr.eqns and len(constant.consts) == 2  # (visible, full) as constants
-  assert "scan" in {eqn.primitive.name for eqn in traced(head_windows).jaxpr.eqns}
+  """A mask_fn of positions alone costs nothing per call: its tiles are computed while tracing
+  (concrete arrays, equal to the per-call evaluation). One that reads the head index has none:
+  it is evaluated in the program (a loop over chunks)."""
+  mods, arrays = _element_fns_call(window_48, 2, 3, 300, 333)
+  tiles = block_mask.position_tiles(mods, 384, 384)
+  assert not any(isinstance(x, jax.core.Tracer) for x in tiles)
+  per_call = block_mask.fine_visibility(mods, arrays, 384, 384)
+  np.testing.assert_array_equal(tiles.visible, per_call.visible)
+  np.testing.assert_array_equal(tiles.full, per_call.full)
+  traced = jax.make_jaxpr(lambda a: block_mask.fine_visibility(mods, a, 384, 384, tiles))(arrays)
+  assert "scan" not in {eqn.primitive.name for eqn in traced.jaxpr.eqns}
+  head_mods, _ = _element_fns_call(head_windows, 2, 3, 300, 333)
+  assert block_mask.position_tiles(head_mods, 384, 384) is None

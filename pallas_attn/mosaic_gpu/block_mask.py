@@ -17,7 +17,8 @@ Cost, outside the kernels: a mask is read once (its own size). mask_fn is evalua
 position pair of the grid that it can distinguish, rows of FINE queries at a time, in chunks of
 about _CHUNK_ELEMENTS pairs, so memory stays O(chunk + number of tiles), never q_len x kv_len:
 - when it ignores the batch and head indices (found from its jaxpr), on [q_len, kv_len] once,
-  while the call is traced: the tiles enter the program as a constant, nothing runs per call;
+  while the call is traced (`position_tiles`): the tiles enter the program as an operand of
+  O(tiles) bytes, nothing runs per call;
 - otherwise per batch element and/or head, in the program (the indices are traced: a sharded
   call's shard holds its own).
 The positions it sees are clipped into the unpadded lengths, as in the kernels
@@ -41,15 +42,19 @@ _CHUNK_ELEMENTS = 1 << 25
 
 
 def fine_visibility(mods: mods_lib.KernelMods, arrays: mods_lib.ModArrays, q_len: int,
-                    kv_len: int) -> block_table.BlockVisibility | None:
+                    kv_len: int, mask_fn_tiles: block_table.BlockVisibility | None = None
+                    ) -> block_table.BlockVisibility | None:
   """FINE x FINE tiles of the padded grid that the mask and mask_fn leave visible / full:
   bool [batch | 1, heads_q | 1, q_len // FINE, kv_len // FINE]; None when the call has
-  neither. `arrays`: padded to (q_len, kv_len) (`ModArrays.padded`); the mask is int8."""
+  neither. `arrays`: padded to (q_len, kv_len) (`ModArrays.padded`); the mask is int8.
+  `mask_fn_tiles`: mask_fn's, when already known (`position_tiles`); else evaluated here."""
   parts = []
   if mods.mask is not None:
     parts.append(_mask_tiles(arrays.mask, q_len, kv_len))
   fns = mods.element_fns
-  if fns is not None and fns.mask_fn is not None:
+  if mask_fn_tiles is not None:
+    parts.append(mask_fn_tiles)
+  elif fns is not None and fns.mask_fn is not None:
     parts.append(_mask_fn_tiles(fns, arrays.batch_index, arrays.head_index, q_len, kv_len))
   if not parts:
     return None
@@ -111,16 +116,26 @@ def index_dependence(mask_fn) -> tuple[bool, bool]:
   return bool(used[0]), bool(used[1])
 
 
+def position_tiles(mods: mods_lib.KernelMods, q_len: int,
+                   kv_len: int) -> block_table.BlockVisibility | None:
+  """mask_fn's FINE tiles of the padded grid, [1, 1, q_len // FINE, kv_len // FINE], computed
+  now (concrete arrays), when mask_fn ignores its batch and head arguments (a window, documents,
+  a prefix); None otherwise or without mask_fn.
+
+  Such tiles depend on static values only: classified once while the call is traced, they cost
+  nothing per call (on the H200 the evaluation took ~0.6 ms at 16384 x 16384, twice a windowed
+  forward). The caller passes them to `fine_visibility` as operands: a constant captured inside
+  the sharded passes (custom_partitioning) is refused."""
+  fns = mods.element_fns
+  if fns is None or fns.mask_fn is None or any(index_dependence(fns.mask_fn)):
+    return None
+  with jax.ensure_compile_time_eval():
+    zero = jnp.zeros((1,), jnp.int32)
+    return _classify(fns, zero, zero, q_len, kv_len)
+
+
 def _mask_fn_tiles(fns: mods_lib.ElementFns, batch_index, head_index, q_len: int, kv_len: int):
   uses_batch, uses_head = index_dependence(fns.mask_fn)
-  if not (uses_batch or uses_head):
-    # A function of positions alone (a window, documents, a prefix): its tiles depend on static
-    # values only, so they are classified once, while the call is traced, and enter the program
-    # as a constant of O(tiles) bytes: no evaluation per call (on the H200 that evaluation took
-    # ~0.6 ms at 16384 x 16384, twice a windowed forward).
-    with jax.ensure_compile_time_eval():
-      zero = jnp.zeros((1,), jnp.int32)
-      return _classify(fns, zero, zero, q_len, kv_len)
   return _classify(fns, batch_index if uses_batch else batch_index[:1],
                    head_index if uses_head else head_index[:1], q_len, kv_len)
 

@@ -176,6 +176,27 @@ def _table(visibility, build):
   return None if visibility is None else build(visibility)
 
 
+def _split_operands(operands):
+  """The passes' trailing operands: (`mods.ModArrays`, mask_fn's precomputed tiles or None)
+  (see `_mask_fn_tile_operands`); the public `forward` / `backward` pass none."""
+  count = len(mods_lib.ModArrays._fields)
+  mod_arrays = mods_lib.ModArrays(*operands[:count])
+  tiles = operands[count:]
+  if not tiles or tiles[0] is None:
+    return mod_arrays, None
+  return mod_arrays, block_table.BlockVisibility(*tiles)
+
+
+def _mask_fn_tile_operands(static: _Static, q_len: int, kv_len: int) -> tuple:
+  """(visible, full): the FINE tiles of a mask_fn of positions alone over the padded grid,
+  computed while tracing (`block_mask.position_tiles`) and passed to the sharded passes as
+  replicated operands; (None, None) otherwise."""
+  padded = (-(-q_len // static.q_multiple) * static.q_multiple,
+            -(-kv_len // static.kv_multiple) * static.kv_multiple)
+  tiles = block_mask.position_tiles(static.mods, *padded)
+  return (None, None) if tiles is None else tuple(tiles)
+
+
 def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   # (On one shard's arrays: the heuristic counts this device's CTAs.)
   splits = static.kv_splits or split_kv.num_splits(
@@ -195,9 +216,10 @@ def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   padded = mask_lib.pad_to_tiles(q, k, v, q_lengths, kv_lengths, static.q_multiple,
                                  static.kv_multiple)
   padded_lens = padded[0].shape[1], padded[1].shape[1]
-  mod_arrays = mods_lib.ModArrays(*mod_arrays)
+  mod_arrays, mask_fn_tiles = _split_operands(mod_arrays)
   padded_arrays = mod_arrays.padded(*padded_lens)
-  element_blocks = block_mask.fine_visibility(static.mods, padded_arrays, *padded_lens)
+  element_blocks = block_mask.fine_visibility(static.mods, padded_arrays, *padded_lens,
+                                              mask_fn_tiles)
   table = _table(_visibility(static, static.fwd_cfg, *padded[3:], *padded_lens, mod_arrays,
                              element_blocks), block_table.query_major)
   out, lse = fwd.forward(*padded, scale=static.scale, spec=static.spec, cfg=static.fwd_cfg,
@@ -222,9 +244,10 @@ def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_le
       q, k, v, q_lengths, kv_lengths, static.q_multiple, static.kv_multiple)
   d_out, lse, delta = mask_lib.pad_row_inputs(d_out.astype(q.dtype), lse, delta,
                                               static.q_multiple)
-  mod_arrays = mods_lib.ModArrays(*mod_arrays)
+  mod_arrays, mask_fn_tiles = _split_operands(mod_arrays)
   padded_arrays = mod_arrays.padded(q.shape[1], k.shape[1])
-  element_blocks = block_mask.fine_visibility(static.mods, padded_arrays, q.shape[1], k.shape[1])
+  element_blocks = block_mask.fine_visibility(static.mods, padded_arrays, q.shape[1], k.shape[1],
+                                              mask_fn_tiles)
   visibility = functools.partial(_visibility, static, q_lengths=q_lengths,
                                  kv_lengths=kv_lengths, q_len=q.shape[1], kv_len=k.shape[1],
                                  mod_arrays=mod_arrays, element_blocks=element_blocks)
@@ -266,10 +289,17 @@ def _pair_shapes(mod_arrays):
   return tuple(None if x is None else x.shape for x in (arrays.bias, arrays.mask))
 
 
+def _with_tiles(layout: sharding.Layout) -> sharding.Layout:
+  """`layout` with the two mask_fn tile operands [1, 1, nq, nk] (letters never split: every
+  shard gets them whole)."""
+  return sharding.Layout(operands=layout.operands + ("wxyz", "wxyz"), results=layout.results)
+
+
 def _sharded_forward(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
-  layout = sharding.with_pairs(sharding.FORWARD, *_pair_shapes(mod_arrays))
+  layout = _with_tiles(sharding.with_pairs(sharding.FORWARD, *_pair_shapes(mod_arrays)))
+  tiles = _mask_fn_tile_operands(static, q.shape[1], k.shape[1])
   return sharding.batch_head_parallel(functools.partial(_forward_pass, static), layout,
-                                      q, k, v, q_lengths, kv_lengths, *mod_arrays,
+                                      q, k, v, q_lengths, kv_lengths, *mod_arrays, *tiles,
                                       auto_axes=not static.interpret)
 
 
@@ -298,11 +328,13 @@ def _attention_bwd(static, res, cotangents):
   d_out, _ = cotangents  # the lse leaves the API under stop_gradient
   if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
     d_out = jnp.zeros_like(out)
-  layout = sharding.with_pairs(sharding.BACKWARD, *_pair_shapes(mod_arrays), dbias=with_dbias)
+  layout = _with_tiles(sharding.with_pairs(sharding.BACKWARD, *_pair_shapes(mod_arrays),
+                                           dbias=with_dbias))
+  tiles = _mask_fn_tile_operands(static, q.shape[1], k.shape[1])
   grads = sharding.batch_head_parallel(
       functools.partial(_backward_pass, static, with_dbias=with_dbias), layout,
       q, k, v, d_out, lse, numerics.delta(d_out, out), q_lengths, kv_lengths, *mod_arrays,
-      auto_axes=not static.interpret)
+      *tiles, auto_axes=not static.interpret)
   dq, dk, dv = grads[:3]
   # No cotangent for the lengths, the segment ids, the dropout prefix, the mask nor the ALiBi
   # slopes (constants: see `mods.constant_slopes`).
