@@ -226,8 +226,6 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       has_soft_cap=mods.logits_soft_cap is not None,
       has_dropout=mods.dropout_rate > 0.0, has_mask_fn=mask_fn is not None,
       has_score_fn=score_fn is not None,
-      bias_constant_over_scores=(arrays.bias is not None and arrays.bias.shape[2] == 1
-                                 and arrays.bias.shape[3] == 1),
       element_fns_problem=(None if implementation in ("blocked_jax", "reference")
                            else dispatch.element_fns_problem(mask_fn, score_fn)))
   impl = dispatch.choose(call, implementation)

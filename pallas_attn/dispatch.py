@@ -47,9 +47,6 @@ class AttentionCall:
   has_dropout: bool = False
   has_mask_fn: bool = False
   has_score_fn: bool = False
-  # A bias with size-1 query and key axes (one value per (batch, head) or a scalar): `choose`
-  # does not send it to the kernels by itself (see there).
-  bias_constant_over_scores: bool = False
   # Why mask_fn / score_fn cannot be traced into the Mosaic GPU kernels (they close over arrays,
   # or use a primitive the lowering lacks: `element_fns_problem`); None when they can or are
   # absent.
@@ -201,11 +198,6 @@ def choose(call: AttentionCall, implementation: str | None):
       if reason is not None:
         raise ValueError(f"implementation='mosaic_gpu' cannot serve this call: {reason}")
     return _IMPLEMENTATIONS[implementation]
-  # A bias constant over queries and keys: its gradient sums every dS of a (batch, head) in one
-  # dbias CTA, and on the H200 that sum was 0.19 off the float32 reference at 1000 x 1537 keys
-  # (blocked_jax in bf16: 5e-3; benchmarks/NOTES.md, session 3). Until that is found, only an
-  # explicit implementation="mosaic_gpu" runs it in the kernels.
-  unverified = call.has_bias and call.bias_constant_over_scores
-  if not unverified and mosaic_gpu_unsupported_reason(call) is None:
+  if mosaic_gpu_unsupported_reason(call) is None:
     return _IMPLEMENTATIONS["mosaic_gpu"]
   return _IMPLEMENTATIONS["blocked_jax"]  # serves every feature

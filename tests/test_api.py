@@ -483,18 +483,6 @@ def test_bias_and_mask_match_jax_nn(rng_key, implementation, bias_shape, mask_sh
     _assert_close(g, w, what=name)
 
 
-def test_bias_constant_over_scores_goes_to_the_portable_path():
-  """A bias with size-1 query and key axes (its dbias failed an H200 check) is not sent to the
-  kernels automatically: the automatic choice is blocked_jax; asked for, the kernels serve it."""
-  call = dispatch.AttentionCall(batch=1, q_len=64, kv_len=64, heads_q=2, heads_kv=2, head_dim=64,
-                                dtype=jnp.dtype(jnp.bfloat16), has_bias=True, has_mask=False,
-                                interpret=True, bias_constant_over_scores=True)
-  assert dispatch.choose(call, None) is dispatch._IMPLEMENTATIONS["blocked_jax"]
-  assert dispatch.choose(call, "mosaic_gpu") is dispatch._IMPLEMENTATIONS["mosaic_gpu"]
-  row_bias = dataclasses.replace(call, bias_constant_over_scores=False)
-  assert dispatch.choose(row_bias, None) is dispatch._IMPLEMENTATIONS["mosaic_gpu"]
-
-
 @pytest.mark.parametrize("kwargs,finalized", [
     (dict(), False),
     (dict(is_causal=True), False),
