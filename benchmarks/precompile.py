@@ -9,21 +9,34 @@ the fastest worker takes the next one), lowers and compiles it with the cache on
 and exits. All workers have exited before the timing process times its first call; its compiles
 then load from the cache. A compile that failed or never ran in a worker is simply a cache miss:
 the timing process compiles it itself, as it would without the pre-pass.
+
+The cache saves XLA's compile but not tracing and lowering, which the timing process would
+still do for every call (the cache key is the lowered module; on the H200 only 51-57% of the
+timing process's builds hit, and building took ~1.4 s per call). So each worker also hands its
+executables over: serialized (`jax.experimental.serialize_executable`) into a directory that
+lives for this run only (nothing stale can load), one file per compile, named by its label. The
+timing process loads a handed-over executable instead of building the call, and builds it as
+before when there is none or loading fails.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
+import pickle
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 from typing import Callable
+
+import jax
+from jax.experimental import serialize_executable
 
 from benchmarks import compile_cache
 from benchmarks import memory
@@ -76,6 +89,41 @@ def cache_dir(path: str | None, needed: bool):
     yield None
 
 
+@contextlib.contextmanager
+def executables_dir(needed: bool):
+  """A directory for the workers' executables, removed when the run ends; None when not needed."""
+  if not needed:
+    yield None
+    return
+  tmp = tempfile.mkdtemp(prefix="pallas_attn_executables_")
+  try:
+    yield tmp
+  finally:
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+def executable_file(directory, label: str) -> pathlib.Path:
+  """Where the executable of the compile called `label` is handed over."""
+  return pathlib.Path(directory) / (hashlib.sha1(label.encode()).hexdigest() + ".pkl")
+
+
+def save_executable(path: pathlib.Path, compiled) -> None:
+  payload, in_tree, out_tree = serialize_executable.serialize(compiled)
+  tmp = path.with_suffix(".tmp")
+  with open(tmp, "wb") as f:
+    pickle.dump((payload, in_tree, out_tree), f)
+  tmp.rename(path)  # whole or absent: the timing process never reads half a file
+
+
+def load_executable(path: pathlib.Path):
+  """The executable saved at `path`, on the first device: the sweep's calls run on one device
+  (left to itself, loading spreads it over every local device)."""
+  with open(path, "rb") as f:
+    payload, in_tree, out_tree = pickle.load(f)
+  return serialize_executable.deserialize_and_load(payload, in_tree, out_tree,
+                                                   execution_devices=jax.devices()[:1])
+
+
 # ---- the worker side -------------------------------------------------------------------------
 
 
@@ -88,9 +136,11 @@ def _claim(path: pathlib.Path) -> bool:
   return True
 
 
-def work(jobs: list[tuple[str, Callable]], workdir, deadline: float | None):
+def work(jobs: list[tuple[str, Callable]], workdir, deadline: float | None,
+         executables: str | None = None):
   """One worker's loop over the sweep's compiles ([(label, thunk)], the same list in every
-  worker): claim the next unclaimed one, build it, log it; stop at `deadline` (time.time())."""
+  worker): claim the next unclaimed one, build it, hand its executable over to `executables`
+  (when given), log it; stop at `deadline` (time.time())."""
   workdir = pathlib.Path(workdir)
   claims = workdir / "claims"
   claims.mkdir(parents=True, exist_ok=True)
@@ -101,13 +151,21 @@ def work(jobs: list[tuple[str, Callable]], workdir, deadline: float | None):
       if not _claim(claims / str(index)):
         continue
       start = time.perf_counter()
+      handed_over = False
       try:
-        thunk()  # the executable is dropped: only the cache entry matters
+        built = thunk()
         error = None
+        if executables is not None:
+          try:  # a sweep.Build, or a bare executable (the float32 reference)
+            save_executable(executable_file(executables, label),
+                            getattr(built, "executable", built))
+            handed_over = True
+          except Exception:  # pylint: disable=broad-except  (the cache entry still serves)
+            pass
       except Exception as e:  # pylint: disable=broad-except  (the timing process retries it)
         error = " ".join(memory.describe_error(e))[:300]
       log.write(json.dumps({"job": label, "s": time.perf_counter() - start,
-                            "error": error}) + "\n")
+                            "error": error, "handed_over": handed_over}) + "\n")
       log.flush()
 
 
@@ -122,6 +180,7 @@ class Prepass:
   compiled: int  # compiles that succeeded in a worker
   failed: int  # compiles that raised in a worker (the timing process tries them again)
   compile_s: float  # their seconds summed: what one process would have spent
+  handed_over: int  # executables serialized for the timing process
   entries_before: int
   entries_after: int
   worker_failures: list[str]
@@ -130,14 +189,16 @@ class Prepass:
     text = (f"compile pre-pass: {self.processes} processes built {self.compiled} calls in "
             f"{self.seconds:.0f} s ({self.compile_s:.0f} s of compiling in all"
             f"{f'; {self.failed} failed, left to the timing process' if self.failed else ''}); "
-            f"cache entries {self.entries_before} -> {self.entries_after}")
+            f"cache entries {self.entries_before} -> {self.entries_after}; "
+            f"{self.handed_over} executables handed over")
     return "\n".join([text] + [f"  {line}" for line in self.worker_failures])
 
 
-def _worker_cmd(argv: list[str], workdir: pathlib.Path, cache: str,
-                deadline: float | None) -> list[str]:
+def _worker_cmd(argv: list[str], workdir: pathlib.Path, cache: str, deadline: float | None,
+                executables: str | None) -> list[str]:
   return [sys.executable, "-m", "benchmarks.run", *argv, "--compile-worker", str(workdir),
-          "--compile-cache", cache, "--compile-deadline", str(deadline or 0), "--quiet"]
+          "--compile-cache", cache, "--compile-deadline", str(deadline or 0), "--quiet",
+          *(["--compile-executables", executables] if executables else [])]
 
 
 def _reports(workdir: pathlib.Path) -> list[dict]:
@@ -177,7 +238,7 @@ def _tail(path: pathlib.Path, lines: int = 3) -> str:
 
 
 def run_prepass(argv: list[str], processes: int, cache: str, budget_s: float | None,
-                quiet: bool) -> Prepass:
+                quiet: bool, executables: str | None = None) -> Prepass:
   """Runs the pre-pass for the sweep that `argv` (benchmarks.run's arguments) describes: starts
   `processes` workers, waits for them (at most `budget_s` plus a grace period), and returns what
   they did. Never raises for a worker's sake: whatever a worker did not build, the timing process
@@ -194,7 +255,8 @@ def run_prepass(argv: list[str], processes: int, cache: str, budget_s: float | N
       logs.append(workdir / f"worker-{i}.log")
       with open(logs[-1], "w", encoding="utf-8") as log:
         procs.append(subprocess.Popen(  # pylint: disable=consider-using-with
-            _worker_cmd(argv, workdir, cache, deadline), cwd=ROOT, env=worker_env(processes),
+            _worker_cmd(argv, workdir, cache, deadline, executables), cwd=ROOT,
+            env=worker_env(processes),
             stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT))
     _wait(procs, workdir, deadline, quiet)
     reports = _reports(workdir)
@@ -203,20 +265,24 @@ def run_prepass(argv: list[str], processes: int, cache: str, budget_s: float | N
   ok = [r for r in reports if r["error"] is None]
   return Prepass(processes=processes, seconds=time.perf_counter() - started, compiled=len(ok),
                  failed=len(reports) - len(ok), compile_s=sum(r["s"] for r in reports),
+                 handed_over=sum(bool(r.get("handed_over")) for r in reports),
                  entries_before=before, entries_after=compile_cache.entries(cache),
                  worker_failures=failures)
 
 
 def main_summary(rows: list[dict]) -> str | None:
   """How the timing process's builds went: seconds spent, the part spent lowering (which no cache
-  saves), and how many loaded from the persistent cache."""
+  saves), how many were workers' executables loaded as they were, and how many of the others
+  loaded from the persistent cache."""
   built = [r for r in rows if r.get("kind") == "attention" and r.get("compile_s") is not None]
   if not built:
     return None
-  hits = [r for r in built if r.get("cache_hit")]
+  handed = [r for r in built if r.get("handed_over")]
+  others = [r for r in built if not r.get("handed_over")]
+  hits = [r for r in others if r.get("cache_hit")]
   lower = sum(r.get("lower_s") or 0.0 for r in built)
   text = (f"timing process: {len(built)} calls built in {sum(r['compile_s'] for r in built):.0f} s "
-          f"({lower:.0f} s tracing and lowering)")
-  if any(r.get("cache_hit") is not None for r in built):
-    text += f"; {len(hits)} of {len(built)} ({100 * len(hits) / len(built):.0f}%) from the cache"
+          f"({lower:.0f} s tracing and lowering); {len(handed)} handed over by the workers")
+  if any(r.get("cache_hit") is not None for r in others):
+    text += f"; {len(hits)} of the other {len(others)} from the cache"
   return text

@@ -126,6 +126,7 @@ def parse_args(argv=None):
   # A pre-pass worker (precompile.py): its shared directory and the time it stops claiming.
   p.add_argument("--compile-worker", default=None, help=argparse.SUPPRESS)
   p.add_argument("--compile-deadline", type=float, default=0, help=argparse.SUPPRESS)
+  p.add_argument("--compile-executables", default=None, help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
 
@@ -283,7 +284,7 @@ def _compile_worker(args):
   planned = sweep.plan(shapes, impl_list, cfg, plat, _done(args, _out_path(args, plat)))
   with compile_cache.enabled(args.compile_cache):
     precompile.work(sweep.compile_jobs(planned, cfg), args.compile_worker,
-                    args.compile_deadline or None)
+                    args.compile_deadline or None, args.compile_executables)
 
 
 def _prepass_processes(args) -> int:
@@ -302,7 +303,8 @@ def main(argv=None) -> list[dict]:
     return []
   started = time.perf_counter()
   processes = _prepass_processes(args)
-  with precompile.cache_dir(args.compile_cache, processes > 0) as cache:
+  with (precompile.cache_dir(args.compile_cache, processes > 0) as cache,
+        precompile.executables_dir(processes > 0) as executables):
     prepass = None
     if processes:
       # Before this process starts its backend: on a GPU that takes 75% of the memory, which the
@@ -310,14 +312,15 @@ def main(argv=None) -> list[dict]:
       budget = _time_budget(args, precompile.gpu_visible())
       compile_budget = args.compile_budget if args.compile_budget is not None else budget / 2
       prepass = precompile.run_prepass(argv, processes, cache, compile_budget or None,
-                                       args.quiet)
+                                       args.quiet, executables)
       if not args.quiet:
         print(prepass.summary(), file=sys.stderr, flush=True)
     with compile_cache.enabled(cache):
-      return _run(args, started, prepass)
+      return _run(args, started, prepass, executables)
 
 
-def _run(args, started: float, prepass: precompile.Prepass | None) -> list[dict]:
+def _run(args, started: float, prepass: precompile.Prepass | None,
+         executables: str | None = None) -> list[dict]:
   """The sweep, the out-of-memory search and the summary (the pre-pass, if any, is done)."""
   plat = sweep.platform()
   on_gpu = plat != "cpu"
@@ -325,6 +328,7 @@ def _run(args, started: float, prepass: precompile.Prepass | None) -> list[dict]
   if args.run_id:
     ctx["run_id"] = args.run_id
   shapes, impl_list, cfg = configure(args, on_gpu)
+  cfg = dataclasses.replace(cfg, executables_dir=executables)
   budget = cfg.time_budget_s
   out_path = _out_path(args, plat)
   done = _done(args, out_path)

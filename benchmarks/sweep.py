@@ -16,6 +16,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import datetime
+import functools
 import time
 from typing import Any, Callable, Iterable
 
@@ -27,6 +28,7 @@ from benchmarks import compile_cache
 from benchmarks import impls as impls_lib
 from benchmarks import masking
 from benchmarks import memory
+from benchmarks import precompile
 from benchmarks import report
 from benchmarks import shapes as shapes_lib
 from benchmarks import timing
@@ -51,6 +53,8 @@ class SweepConfig:
   seed: int = 0
   time_budget_s: float | None = None  # past it, remaining measurements are recorded as skipped
   all_pairs: bool = False  # measure every implementation at every shape (see impls.wanted)
+  # The compile pre-pass's executables (precompile.py), loaded instead of built; None: build all.
+  executables_dir: str | None = None
 
   @property
   def jnp_dtype(self):
@@ -93,7 +97,8 @@ def attention_row(ctx: dict, impl: impls_lib.Impl, shape: Shape, pass_: str, dty
           "gb_per_s": None, "pct_of_matmul": None,
           "flops": timing.attention_flops(shape, pass_), "peak_bytes": None, "temp_bytes": None,
           "alloc_peak_bytes": None, "max_rel_err": None, "error": None, "error_kind": None,
-          "compile_s": None, "lower_s": None, "cache_hit": None, "measure_s": None,
+          "compile_s": None, "lower_s": None, "cache_hit": None, "handed_over": None,
+          "measure_s": None,
           "calls_per_repeat": None, "repeats": None,
           "interpret": impl.interpret, "impl_version": impl.version,
           **masking.masking_fields(impl.name, shape), **ctx}
@@ -111,6 +116,7 @@ class Build:
   compile_s: float  # tracing, lowering and XLA's compile (or the persistent cache's load)
   lower_s: float  # tracing and lowering alone: Python work that no compilation cache saves
   cache_hit: bool | None  # loaded from the persistent cache; None when none is enabled
+  handed_over: bool = False  # a pre-pass worker's executable, loaded instead of built
 
 
 def build_call(impl: impls_lib.Impl, shape: Shape, pass_: str, dtype) -> Build:
@@ -221,7 +227,8 @@ def plan(shapes: Iterable[Shape], impls: list[impls_lib.Impl], cfg: SweepConfig,
 
 
 def _shape_jobs(shape: Shape, tasks, cfg: SweepConfig, check: bool) -> dict:
-  """{(name, pass): thunk} compiling what one shape is measured with (and its f32 reference)."""
+  """{(name, pass): thunk} compiling what one shape is measured with (and its f32 reference);
+  with `cfg.executables_dir`, each thunk first tries the pre-pass's executable."""
   dtype = cfg.jnp_dtype
   jobs = {(impl.name, p): (lambda impl=impl, p=p: build_call(impl, shape, p, dtype))
           for impl, p in tasks}
@@ -231,7 +238,30 @@ def _shape_jobs(shape: Shape, tasks, cfg: SweepConfig, check: bool) -> dict:
       if p in cfg.passes:
         jobs[("reference_f32", p)] = (
             lambda fn=fn, p=p: jax.jit(fn).lower(*impls_lib.arg_specs(shape, p, dtype)).compile())
+  if cfg.executables_dir is not None:
+    jobs = {key: functools.partial(_handed_over_or, thunk, precompile.executable_file(
+        cfg.executables_dir, job_label(*key, shape)), is_build=key[0] != "reference_f32")
+            for key, thunk in jobs.items()}
   return jobs
+
+
+def job_label(name: str, pass_: str, shape: Shape) -> str:
+  """A compile's name, the same in the pre-pass's workers and the timing process."""
+  return f"{name} {pass_} {shape.name}"
+
+
+def _handed_over_or(build, path, *, is_build: bool):
+  """The pre-pass's executable at `path` if there is one that loads, else `build()`."""
+  if path.exists():
+    start = time.perf_counter()
+    try:
+      executable = precompile.load_executable(path)
+    except Exception:  # pylint: disable=broad-except  (built here instead)
+      executable = None
+    if executable is not None:
+      return (Build(executable, time.perf_counter() - start, 0.0, None, handed_over=True)
+              if is_build else executable)
+  return build()
 
 
 def _checked(shape: Shape, cfg: SweepConfig) -> bool:
@@ -242,7 +272,7 @@ def _checked(shape: Shape, cfg: SweepConfig) -> bool:
 def compile_jobs(planned, cfg: SweepConfig) -> list[tuple[str, Callable]]:
   """[(label, thunk)]: every compile the sweep of `planned` (from `plan`) will make, in the order
   it makes them (what the compile pre-pass builds ahead of it)."""
-  return [(f"{name} {p} {shape.name}", thunk)
+  return [(job_label(name, p, shape), thunk)
           for shape, tasks in planned
           for (name, p), thunk in _shape_jobs(shape, tasks, cfg, _checked(shape, cfg)).items()]
 
@@ -306,8 +336,8 @@ def _time_shape(shape: Shape, tasks, index: int, cfg: SweepConfig, compiled: dic
       emit(_fail(row, err))
       continue
     executable = result.executable
-    row["compile_s"], row["lower_s"], row["cache_hit"] = (result.compile_s, result.lower_s,
-                                                          result.cache_hit)
+    row["compile_s"], row["lower_s"], row["cache_hit"], row["handed_over"] = (
+        result.compile_s, result.lower_s, result.cache_hit, result.handed_over)
     row.update(memory.compiled_memory(executable))
     cfg_t = cfg.interpret_timing if impl.interpret else cfg.timing
     args = inputs[:3] if p == "fwd" else inputs

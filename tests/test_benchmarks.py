@@ -20,7 +20,9 @@ from benchmarks import shapes  # noqa: E402
 from benchmarks import sweep  # noqa: E402
 from benchmarks import timing  # noqa: E402
 from benchmarks import tune  # noqa: E402
+import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
 import pallas_attn  # noqa: E402
 from pallas_attn.mosaic_gpu import config as config_lib  # noqa: E402
 
@@ -405,11 +407,13 @@ def test_compile_prepass_fills_the_cache_and_the_sweep_loads_it(tmp_path):
   for key, row in got.items():
     check_schema(row)
     assert row["error"] is None, row
-    assert row["cache_hit"] is True and 0 <= row["lower_s"] <= row["compile_s"], row
+    # The workers' executables, loaded as they are: no tracing, lowering or compiling here.
+    assert row["handed_over"] is True and row["lower_s"] == 0.0, row
     assert row["measure_s"] > 0
     # The same inputs through the same executable (built in another process): the same error.
     assert row["max_rel_err"] == pytest.approx(want[key]["max_rel_err"], rel=1e-6), key
   assert all(r["cache_hit"] is None for r in want.values())  # no cache without --compile-cache
+  assert not any(r["handed_over"] for r in want.values())
 
 
 def test_compile_prepass_survives_its_workers_failing(tmp_path):
@@ -417,6 +421,22 @@ def test_compile_prepass_survives_its_workers_failing(tmp_path):
   done = precompile.run_prepass(["--shapes", "no_such_preset"], 1, str(tmp_path), None, True)
   assert done.compiled == 0 and len(done.worker_failures) == 1
   assert "no_such_preset" in done.worker_failures[0]
+
+
+def test_handed_over_executable_runs_like_the_built_one(tmp_path):
+  """An executable serialized in one place and loaded in another computes the same; a file that
+  does not load falls back to building."""
+  fn = jax.jit(lambda x: jnp.sin(x) * 2.0)
+  x = jnp.arange(8, dtype=jnp.float32)
+  path = precompile.executable_file(tmp_path, "sin")
+  precompile.save_executable(path, fn.lower(x).compile())
+  np.testing.assert_array_equal(precompile.load_executable(path)(x), fn(x))
+  broken = precompile.executable_file(tmp_path, "broken")
+  broken.write_bytes(b"not a pickle")
+  built = sweep._handed_over_or(lambda: "built", broken, is_build=False)
+  assert built == "built"
+  missing = sweep._handed_over_or(lambda: "built", tmp_path / "none.pkl", is_build=False)
+  assert missing == "built"
 
 
 def test_compile_workers_claim_each_compile_once(tmp_path):
