@@ -282,7 +282,9 @@ def main_summary(rows: list[dict]) -> str | None:
   hits = [r for r in others if r.get("cache_hit")]
   lower = sum(r.get("lower_s") or 0.0 for r in built)
   text = (f"timing process: {len(built)} calls built in {sum(r['compile_s'] for r in built):.0f} s "
-          f"({lower:.0f} s tracing and lowering); {len(handed)} handed over by the workers")
+          f"({lower:.0f} s tracing and lowering)")
+  if handed:
+    text += f"; {len(handed)} handed over by the workers"
   if any(r.get("cache_hit") is not None for r in others):
     text += f"; {len(hits)} of the other {len(others)} from the cache"
   return text
