@@ -74,6 +74,14 @@ def with_pairs(layout: Layout, bias_shape=None, mask_shape=None, dbias: bool = F
   results = layout.results + ((pair_axes(bias_shape),) if dbias else ())
   return Layout(operands=layout.operands + pairs, results=results)
 
+
+def with_replicated(layout: Layout, count: int) -> Layout:
+  """`layout` with `count` more operands of rank 4 that every shard gets whole (letters that are
+  never split), e.g. tables computed from static values alone."""
+  return Layout(operands=layout.operands + (_BROADCAST_LETTERS,) * count,
+                results=layout.results)
+
+
 _SPLIT_LETTERS = "bhk"
 
 

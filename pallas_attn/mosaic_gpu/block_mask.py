@@ -50,7 +50,7 @@ def fine_visibility(mods: mods_lib.KernelMods, arrays: mods_lib.ModArrays, q_len
   `mask_fn_tiles`: mask_fn's, when already known (`position_tiles`); else evaluated here."""
   parts = []
   if mods.mask is not None:
-    parts.append(_mask_tiles(arrays.mask, q_len, kv_len))
+    parts.append(_mask_tiles(arrays.mask))
   fns = mods.element_fns
   if mask_fn_tiles is not None:
     parts.append(mask_fn_tiles)
@@ -96,7 +96,7 @@ def group_union(visibility: block_table.BlockVisibility,
                                      full.reshape(shape).all(axis=2))
 
 
-def _mask_tiles(mask, q_len: int, kv_len: int):
+def _mask_tiles(mask):
   """A [B|1, H|1, T|1, S|1] int8 mask (padded) per FINE tile; broadcast axes stay size 1."""
   batch, heads, rows, cols = mask.shape
   keep = mask != 0

@@ -12,8 +12,8 @@ With delta = rowsum(dO * O) precomputed, dS = P * (dP - delta) where dP = dO V^T
   the group in registers (no per-query-head copy of dK/dV).
 Block skipping and end-of-range masking follow `mask` (with segment ids, a boolean mask or a
 mask_fn: a block table per CTA, `block_table.query_major` for dQ, `key_major` for dK/dV, one
-list per kv head for every query head of its group), and the score modifiers `mods`, exactly as in the forward kernel; with a soft-cap and a
-score_fn, dS is multiplied by their derivatives (`mods.logit_grad`; score_fn's by `jax.jvp` in the
+list per kv head for every query head of its group), and the score modifiers `mods`, exactly as
+in the forward kernel; with a soft-cap and a score_fn, dS is multiplied by their derivatives (`mods.logit_grad`; score_fn's by `jax.jvp` in the
 kernel). With dropout, dP is masked and scaled by the regenerated keep-mask,
 dS = P * (dP_dropped - delta), and dV takes the dropped, scaled P. Rows whose lse is +inf (no
 visible key, or past their query length) get P = 0 and no gradient.

@@ -25,9 +25,9 @@ Order on the natural-log logits of a tile (the semantics issue #5 sets for every
   and batch, head int32 scalars: the global batch index and query head, read from
   `ModArrays.batch_index` / `head_index` so that a sharded call passes global indices.
   mask_fn is and-ed into the keep mask of the tiles the block table marks masked
-  (`block_mask`: tiles it hides entirely are skipped, tiles it keeps whole are not masked). The backward kernels
-  get d score_fn / d s by `jax.jvp` traced in the kernel and chain it into dS after the
-  soft-cap's derivative (`LogitGrad`). Functions that close over arrays, or use primitives the
+  (`block_mask`: tiles it hides entirely are skipped, tiles it keeps whole are not masked).
+  The backward kernels get d score_fn / d s by `jax.jvp` traced in the kernel and chain it into
+  dS after the soft-cap's derivative (`LogitGrad`). Functions that close over arrays, or use primitives the
   Mosaic GPU lowering lacks, cannot be traced: `element_fns_problem` says why (the dispatcher
   then picks the portable path).
 - Bias and boolean mask ([batch|1, heads_q|1, q_len|1, kv_len|1], size-1 axes broadcast): the

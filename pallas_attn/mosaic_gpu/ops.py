@@ -289,14 +289,10 @@ def _pair_shapes(mod_arrays):
   return tuple(None if x is None else x.shape for x in (arrays.bias, arrays.mask))
 
 
-def _with_tiles(layout: sharding.Layout) -> sharding.Layout:
-  """`layout` with the two mask_fn tile operands [1, 1, nq, nk] (letters never split: every
-  shard gets them whole)."""
-  return sharding.Layout(operands=layout.operands + ("wxyz", "wxyz"), results=layout.results)
-
-
 def _sharded_forward(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
-  layout = _with_tiles(sharding.with_pairs(sharding.FORWARD, *_pair_shapes(mod_arrays)))
+  # (+ the two mask_fn tile operands [1, 1, nq, nk], whole on every shard)
+  layout = sharding.with_replicated(
+      sharding.with_pairs(sharding.FORWARD, *_pair_shapes(mod_arrays)), 2)
   tiles = _mask_fn_tile_operands(static, q.shape[1], k.shape[1])
   return sharding.batch_head_parallel(functools.partial(_forward_pass, static), layout,
                                       q, k, v, q_lengths, kv_lengths, *mod_arrays, *tiles,
@@ -328,8 +324,8 @@ def _attention_bwd(static, res, cotangents):
   d_out, _ = cotangents  # the lse leaves the API under stop_gradient
   if isinstance(d_out, jax.custom_derivatives.SymbolicZero):
     d_out = jnp.zeros_like(out)
-  layout = _with_tiles(sharding.with_pairs(sharding.BACKWARD, *_pair_shapes(mod_arrays),
-                                           dbias=with_dbias))
+  layout = sharding.with_replicated(
+      sharding.with_pairs(sharding.BACKWARD, *_pair_shapes(mod_arrays), dbias=with_dbias), 2)
   tiles = _mask_fn_tile_operands(static, q.shape[1], k.shape[1])
   grads = sharding.batch_head_parallel(
       functools.partial(_backward_pass, static, with_dbias=with_dbias), layout,
