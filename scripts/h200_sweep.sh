@@ -14,7 +14,9 @@
 #   timing together), COMPILE_PROCESSES (default benchmarks.run's: min(8, cores - 1)),
 #   COMPILE_BUDGET (s, default half of BUDGET), JAX_CACHE (the cache, default
 #   /tmp/pallas_attn_jax_cache: kept while the machine stays warm, so a second call loads the
-#   first one's compiles), HARD_TIMEOUT (s, default 575; a device call ends at 600).
+#   first one's compiles), HARD_TIMEOUT (s, default 575; a device call ends at 600),
+#   FRESH=1 (measure everything again, appending a new run to the copy instead of --resume: what
+#   the "full sweep in a few minutes" claim is timed with).
 set -u
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
@@ -30,7 +32,9 @@ nproc
 cp benchmarks/results/h200.jsonl "$OUT/h200.jsonl"
 start=$(date +%s)
 # shellcheck disable=SC2086
-timeout "${HARD_TIMEOUT:-575}" python3 -m benchmarks.run --resume --out "$OUT/h200.jsonl" \
+mode=--resume
+[ "${FRESH:-0}" = 1 ] && mode=--append
+timeout "${HARD_TIMEOUT:-575}" python3 -m benchmarks.run $mode --out "$OUT/h200.jsonl" \
   --shapes "${SHAPES:-full}" --time-budget "${BUDGET:-480}" \
   --compile-cache "${JAX_CACHE:-/tmp/pallas_attn_jax_cache}" \
   ${COMPILE_PROCESSES:+--compile-processes $COMPILE_PROCESSES} \
