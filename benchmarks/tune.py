@@ -101,6 +101,10 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_q128_1st": {"dkv": dict(block_q=128, stages=1)},
     "dkv_3st": {"dkv": dict(stages=3)},
     "dkv_2st": {"dkv": dict(stages=2)},
+    # g. One backward launch: dQ made in the dK/dV kernel (TMA reduce-add; no dQ kernel).
+    "dkv_fused_dq": {"dkv": dict(fused_dq=True)},
+    "dkv_fused_dq_q128": {"dkv": dict(fused_dq=True, block_q=128)},
+    "dkv_fused_dq_1st": {"dkv": dict(fused_dq=True, stages=1)},
 }
 
 _DEFAULT = "default"

@@ -109,6 +109,8 @@ _VARIANTS = {
     "overlap_qk_no_ping_pong": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False)},
     "fold_scale_ro_store": {"fwd": _K(64, 128, fold_scale=True, read_only_store_wait=True)},
     "fold_scale_overlap_qk": {"fwd": _K(64, 64, stages=3, overlap_qk=True, fold_scale=True)},
+    "fused_dq": {"dkv": _K(64, 64, fused_dq=True)},
+    "fused_dq_q128": {"dkv": _K(128, 64, fused_dq=True)},
 }
 # Two query tiles of 128 rows and several key blocks at every block_kv, odd lengths.
 _CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_203x203")
@@ -123,6 +125,13 @@ _VARIANT_CASES = [
     # Unmasked tiles (folded) next to masked ones (scaled by the scorer) in one running max.
     ("fold_scale_ro_store", _CAUSAL_203),
     ("fold_scale_overlap_qk", _CAUSAL_203),
+    # dQ from the dK/dV kernel: a group of 4 summed per kv head, masked end tiles, rows with no
+    # key, and the bigger query block.
+    ("fused_dq", _CAUSAL_203),
+    ("fused_dq", cases.get_case("mqa_113x203")),
+    ("fused_dq", cases.get_case("gqa_causal_lengths_113x203")),
+    ("fused_dq", cases.get_case("lengths_kv0_113x203")),
+    ("fused_dq_q128", cases.get_case("window_l32_r8_203x113")),
 ]
 
 
@@ -175,6 +184,8 @@ _LOWERED_VARIANTS = [
     (128, {"fwd": _K(64, 128, stages=3, overlap_qk=True)}),
     (256, {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)}),
     (128, {"fwd": _K(64, 128, fold_scale=True, read_only_store_wait=True)}),
+    (128, {"dkv": _K(64, 64, fused_dq=True)}),
+    (64, {"dkv": _K(128, 64, fused_dq=True)}),
 ]
 
 
@@ -193,7 +204,9 @@ def test_variant_kernels_lower_for_cuda(head_dim, configs):
 
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
       lowering_platforms=("cuda",))
-  assert lowered.as_text().count("mosaic_gpu_v2") >= 3  # forward, dQ, dK/dV
+  fused_dq = "dkv" in configs and configs["dkv"].fused_dq
+  # forward, dQ, dK/dV; or forward and dK/dV making dQ
+  assert lowered.as_text().count("mosaic_gpu_v2") >= (2 if fused_dq else 3)
 
 
 @pytest.mark.parametrize("head_dim,pass_,cfg", [(128, "dq", _K(64, 128, stages=3)),
@@ -332,6 +345,7 @@ _GPU_VARIANTS = {
     "kv64_3stages": _VARIANTS["kv64_3stages"],
     "overlap_qk_3stages": {"fwd": _K(64, 128, stages=3, overlap_qk=True)},
     "overlap_qk_kv64_no_ping_pong": {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)},
+    "fused_dq": {"dkv": _K(64, 64, fused_dq=True)},
 }
 
 

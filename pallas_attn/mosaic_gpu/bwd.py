@@ -195,13 +195,13 @@ def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpr
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref, mod_refs,
-                table_refs, *refs, spec: mask_lib.MaskSpec, scale: float,
+                table_refs, dq_acc_ref, *refs, spec: mask_lib.MaskSpec, scale: float,
                 cfg: config_lib.KernelConfig,
                 num_q_blocks: int, groups: int, outputs: tuple[str, ...],
-                mods: mods_lib.KernelMods):
+                mods: mods_lib.KernelMods, dq_partials: bool):
   out_refs = dict(zip(outputs, refs[:len(outputs)]))
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, staging,
-   kv_full, q_full, do_full, lse_full, delta_full, slot_free) = refs[len(outputs):]
+   kv_full, q_full, do_full, lse_full, delta_full, slot_free, *dq_smem) = refs[len(outputs):]
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -274,6 +274,26 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_wait(lse_full.at[slot])
       plgpu.barrier_wait(delta_full.at[slot])
 
+    if dq_acc_ref is not None:
+      ds_smem, dq_out_smem = dq_smem
+      # Interpreted, each (key tile, warpgroup) writes its own partial dQ (the interpreter has
+      # no TMA reduction); compiled, every CTA adds into the one zeroed dQ.
+      dq_dest = (dq_acc_ref.at[lax.axis_index("kv_tiles") * _WGS + wg] if dq_partials
+                 else dq_acc_ref)
+
+    def add_dq(dst, head, qi):
+      """dQ[qi block] += dS K for this warpgroup's keys: dS^T goes through shared memory so the
+      wgmma can read it transposed; the float32 product leaves by a TMA reduce-add."""
+      ds_smem.at[wg][...] = dst
+      plgpu.commit_smem()
+      part = common.matmul(ds_smem.at[wg].T, k_smem.at[wg], (block_q, head_dim))
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read it
+      dq_out_smem.at[wg][...] = part
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(dq_out_smem.at[wg],
+                              dq_dest.at[batch, pl.ds(qi * block_q, block_q), head],
+                              reduction_op=None if dq_partials else "add")
+
     def one_head(g, carry):
       # (The query head only matters to ALiBi, dropout and the user's functions: don't compute
       # it otherwise.)
@@ -304,7 +324,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
           dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
                                     chain)
-          acc["dk"] = common.matmul_acc(acc["dk"], dst.astype(dtype), q_smem.at[slot], stage)
+          dst = dst.astype(dtype)
+          acc["dk"] = common.matmul_acc(acc["dk"], dst, q_smem.at[slot], stage)
+          if dq_acc_ref is not None:
+            add_dq(dst, kv_head * groups + g, qi)
         plgpu.barrier_arrive(slot_free.at[slot])
         return acc
 
@@ -363,40 +386,75 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   grads = {}
   for outputs in passes:
     grads.update(zip(outputs, _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
-                                        mod_arrays, table, scale=scale, spec=spec, cfg=cfg,
-                                        interpret=interpret, outputs=outputs, mods=mods)))
+                                        mod_arrays, table, None, scale=scale, spec=spec,
+                                        cfg=cfg, interpret=interpret, outputs=outputs,
+                                        mods=mods)))
   return grads["dk"], grads["dv"]
 
 
-def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, *, scale,
-              spec, cfg, interpret, outputs, mods):
+def dqkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
+         spec: mask_lib.MaskSpec, cfg: config_lib.KernelConfig, interpret: bool,
+         mods: mods_lib.KernelMods = mods_lib.KernelMods(),
+         mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays(),
+         table: block_table.BlockTable | None = None):
+  """(dQ [B, T, Hq, D] in q.dtype, dK, dV) from one dK/dV launch that also makes dQ
+  (`cfg.fused_dq`): arguments as in `dkv`.
+
+  dQ is accumulated in float32 in a zeroed array the kernel adds into (TMA reduce-add), then
+  scaled and cast. The interpreter has no TMA reduction: there every (key tile, warpgroup) writes
+  its own partial dQ (zero where it has no visible key) and the partials are summed after, which
+  checks the same products and destinations.
+  """
+  if not cfg.fused_dq or cfg.split_dkv:
+    raise ValueError(f"dqkv needs fused_dq=True and split_dkv=False, got {cfg}")
+  num_partials = k.shape[1] // (_WGS * cfg.block_kv) * _WGS if interpret else None
+  dq_acc = jax.new_ref(jnp.zeros(((num_partials,) if interpret else ()) + q.shape, jnp.float32))
+  dk, dv = _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
+                     mod_arrays.transposed_pairs(), table, dq_acc, scale=scale, spec=spec,
+                     cfg=cfg, interpret=interpret, outputs=("dk", "dv"), mods=mods)
+  dq = dq_acc[...]
+  if interpret:
+    dq = dq.sum(axis=0)
+  return (dq * scale).astype(q.dtype), dk, dv
+
+
+def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, dq_acc, *,
+              scale, spec, cfg, interpret, outputs, mods):
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
+  fused_dq = dq_acc is not None
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
                              num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv,
-                             outputs=outputs, mods=mods)
+                             outputs=outputs, mods=mods, dq_partials=interpret)
   params = common.compiler_params_within_smem(
-      dkv_scratch_types(cfg, head_dim, q.dtype, interpret=False), f"the dK/dV kernel with {cfg}",
-      reduces=False)
+      dkv_scratch_types(cfg, head_dim, q.dtype, interpret=False, fused_dq=fused_dq),
+      f"the dK/dV kernel with {cfg}", reduces=False)
   grid, grid_names = cfg.grid(heads=heads_kv, tiles=kv_len // (_WGS * cfg.block_kv), batch=batch,
                               tile_axis="kv_tiles")
   return plgpu.kernel(
       kernel,
       out_type=tuple(jax.ShapeDtypeStruct(k.shape, k.dtype) for _ in outputs),
-      scratch_types=dkv_scratch_types(cfg, head_dim, q.dtype, interpret),
+      scratch_types=dkv_scratch_types(cfg, head_dim, q.dtype, interpret, fused_dq=fused_dq),
       grid=grid,
       grid_names=grid_names,
       num_threads=_WGS + 1,
       thread_name="wg",
       compiler_params=params,
       interpret=common.interpret_params(interpret),
-  )(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table)
+  )(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, dq_acc)
 
 
-def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
-  """The dK/dV kernel's shared memory and barriers (the order `_dkv_kernel` takes them in)."""
+def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool,
+                      fused_dq: bool | None = None) -> list:
+  """The dK/dV kernel's shared memory and barriers (the order `_dkv_kernel` takes them in);
+  `fused_dq` (default: cfg.fused_dq) adds the dS^T and float32 dQ tiles of `dqkv`."""
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
+  fused_dq = cfg.fused_dq if fused_dq is None else fused_dq
+  dq_tiles = [
+      tile(_WGS, cfg.block_kv, cfg.block_q),  # dS^T, read transposed by the dQ wgmma
+      plgpu.SMEM((_WGS, cfg.block_q, head_dim), jnp.float32),  # dQ part, out by reduce-add
+  ] if fused_dq else []
   return [
       tile(_WGS, cfg.block_kv, head_dim),  # k, then dk out
       tile(_WGS, cfg.block_kv, head_dim),  # v, then dv out
@@ -408,4 +466,5 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
       plgpu.Barrier(num_barriers=_WGS * 2),  # k, v loaded (per warpgroup)
       ring(), ring(), ring(), ring(),  # q, dO, lse, delta slot filled
       plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # slot free
+      *dq_tiles,
   ]

@@ -72,6 +72,13 @@ class KernelConfig:
   # not until they have landed in global memory (cp.async.bulk.wait_group.read, as tokamax and
   # CUTLASS epilogues do), so the CTA retires, and the next one starts, sooner.
   read_only_store_wait: bool = False
+  # dK/dV only: the dK/dV kernel also makes dQ (FlashAttention-2/3's backward), so S and dP are
+  # computed once per tile pair (5 matmuls instead of 7 with the separate dQ kernel). Each
+  # compute warpgroup multiplies its dS^T tile (through shared memory, transposed) by its K tile
+  # and adds the [block_q, head_dim] float32 product into a zeroed dQ in global memory with a
+  # TMA reduce-add. Costs 2 * block_q * head_dim * 4 + 2 * block_kv * block_q * 2 bytes of shared
+  # memory and a float32 dQ pass (zero, then scale and cast) outside the kernel.
+  fused_dq: bool = False
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_kv % 64 or not (self.block_q and self.block_kv):
@@ -85,6 +92,8 @@ class KernelConfig:
       raise ValueError(f"overlap_qk needs stages >= 2, and >= 3 with ping_pong (the V slot of "
                        f"tile j - 1 is freed after tile j's K slot is waited for), got "
                        f"stages={self.stages}, ping_pong={self.ping_pong}")
+    if self.fused_dq and self.split_dkv:
+      raise ValueError("fused_dq needs dK and dV from one launch (split_dkv=False)")
     if sorted(self.grid_order) != sorted(GRID_AXES):
       raise ValueError(f"grid_order must be a permutation of {GRID_AXES}, got "
                        f"{self.grid_order}")

@@ -251,24 +251,30 @@ def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_le
   visibility = functools.partial(_visibility, static, q_lengths=q_lengths,
                                  kv_lengths=kv_lengths, q_len=q.shape[1], kv_len=k.shape[1],
                                  mod_arrays=mod_arrays, element_blocks=element_blocks)
-  dq_visibility = visibility(static.dq_cfg)
+  fused_dq = static.dkv_cfg.fused_dq
+  dq_visibility = None if fused_dq else visibility(static.dq_cfg)
   dkv_visibility = dq_visibility
-  if (static.dkv_cfg.block_q, static.dkv_cfg.block_kv) != (static.dq_cfg.block_q,
-                                                           static.dq_cfg.block_kv):
+  if fused_dq or (static.dkv_cfg.block_q, static.dkv_cfg.block_kv) != (static.dq_cfg.block_q,
+                                                                       static.dq_cfg.block_kv):
     dkv_visibility = visibility(static.dkv_cfg)
   if dkv_visibility is not None:  # one list per kv head, for its whole query-head group
     dkv_visibility = block_mask.group_union(dkv_visibility, q.shape[2] // k.shape[2])
   common = dict(scale=static.scale, spec=static.spec, interpret=static.interpret,
                 mods=static.mods, mod_arrays=padded_arrays)
-  dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg,
-              table=_table(dq_visibility, block_table.query_major), **common)
-  if static.interpret:
-    # The interpreter keeps one global model of shared memory and runs each warpgroup as a
-    # thread that blocks on barriers; two kernels interpreted at once (XLA may run the
-    # independent dQ and dK/dV calls concurrently) can deadlock. Order them.
-    dq, q = jax.lax.optimization_barrier((dq, q))
-  dk, dv = bwd.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, cfg=static.dkv_cfg,
-                   table=_table(dkv_visibility, block_table.key_major), **common)
+  dkv_table = _table(dkv_visibility, block_table.key_major)
+  if fused_dq:  # one launch: dK/dV with dQ added in
+    dq, dk, dv = bwd.dqkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
+                          cfg=static.dkv_cfg, table=dkv_table, **common)
+  else:
+    dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg,
+                table=_table(dq_visibility, block_table.query_major), **common)
+    if static.interpret:
+      # The interpreter keeps one global model of shared memory and runs each warpgroup as a
+      # thread that blocks on barriers; two kernels interpreted at once (XLA may run the
+      # independent dQ and dK/dV calls concurrently) can deadlock. Order them.
+      dq, q = jax.lax.optimization_barrier((dq, q))
+    dk, dv = bwd.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, cfg=static.dkv_cfg,
+                     table=dkv_table, **common)
   grads = (dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len])
   if not with_dbias:
     return grads
