@@ -36,6 +36,8 @@ from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import mods as mods_lib
 
 _WGS = config_lib.COMPUTE_WARPGROUPS
+# Columns of dQ per wgmma in the dK/dV kernel's fused dQ (`KernelConfig.fused_dq`).
+_DQ_COLS = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,12 +285,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
     def add_dq(dst, head, qi):
       """dQ[qi block] += dS K for this warpgroup's keys: dS^T goes through shared memory so the
-      wgmma can read it transposed; the float32 product leaves by a TMA reduce-add."""
+      wgmma can read it transposed; the float32 product leaves by a TMA reduce-add. The product
+      is made 64 columns at a time: beside the dK and dV accumulators a whole [64, 128] float32
+      part (64 registers a thread) spilled at head_dim 128."""
       ds_smem.at[wg][...] = dst
       plgpu.commit_smem()
-      part = common.matmul(ds_smem.at[wg].T, k_smem.at[wg], (block_q, head_dim))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read it
-      dq_out_smem.at[wg][...] = part
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_out
+      for c in range(0, head_dim, _DQ_COLS):
+        cols = pl.ds(c, _DQ_COLS)
+        part = common.matmul(ds_smem.at[wg].T, k_smem.at[wg].at[:, cols], (block_q, _DQ_COLS))
+        dq_out_smem.at[wg].at[:, cols][...] = part
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(dq_out_smem.at[wg],
                               dq_dest.at[batch, pl.ds(qi * block_q, block_q), head],
