@@ -21,8 +21,10 @@ before when there is none or loading fails.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
+import fcntl
 import hashlib
 import json
 import os
@@ -33,7 +35,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 from jax.experimental import serialize_executable
@@ -49,10 +51,18 @@ POLL_S = 0.5
 REPORT_EVERY_S = 15.0
 
 
+# Niceness of the workers that compile while the sweep is timed: the timing process's host
+# enqueue comes first whenever both want a core.
+KERNEL_WORKER_NICE = 10
+# How long the timing process waits for one compile a worker has taken before building it itself.
+FETCH_WAIT_S = 120.0
+
+
 def default_processes(on_gpu: bool) -> int:
   """Workers for the pre-pass: off on the CPU (two cores: the timing process would wait for the
-  same cores), else one per spare core up to 8 (each XLA compile uses a few threads itself)."""
-  return min(8, (os.cpu_count() or 1) - 1) if on_gpu else 0
+  same cores), else one per core but the timing process's. Host memory is not the limit: a worker
+  holds ~2-3 GiB (JAX, tokamax, a CUDA context), 15 of them ~40 GiB of the H200 host's 128."""
+  return max(1, (os.cpu_count() or 1) - 1) if on_gpu else 0
 
 
 def gpu_visible() -> bool:
@@ -63,14 +73,43 @@ def gpu_visible() -> bool:
   return any(pathlib.Path("/dev").glob("nvidia[0-9]*"))
 
 
-def worker_env(processes: int) -> dict:
-  """The workers' environment: no up-front allocation and a small share each, so that N of them
-  fit beside each other (the GPU memory they use is XLA's autotuning buffers)."""
+def worker_env(processes: int, phase: str | None = None) -> dict:
+  """The workers' environment: no up-front allocation. The device phase's workers (XLA autotuning)
+  allocate through the platform allocator, which gives the memory back as soon as a candidate is
+  timed (a BFC pool keeps its high-water mark until the process exits, and the timing process
+  needs 75% of the card while they run on), and share the card through a ledger (`MemoryLedger`)
+  instead of a fixed 1/N fraction each (which made the larger dense calls fail in every worker:
+  34 in run 20261130T175504Z). `PALLAS_ATTN_PREPASS_ALLOCATOR=bfc` restores the fixed fractions.
+  The kernel phase's workers never run anything on the device: a tiny share."""
   env = dict(os.environ)
   env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
-  env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(0.25, 0.9 / max(processes, 1)):.3f}"
   env["PYTHONUNBUFFERED"] = "1"
+  if phase == "kernel":
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = "0.02"
+  elif phase == "device" and os.environ.get("PALLAS_ATTN_PREPASS_ALLOCATOR", "platform") == \
+      "platform":
+    env["XLA_PYTHON_CLIENT_ALLOCATOR"] = "platform"
+  else:
+    env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{min(0.25, 0.9 / max(processes, 1)):.3f}"
   return env
+
+
+def gpu_memory_bytes() -> int | None:
+  """The first GPU's memory, from nvidia-smi (no JAX backend is started); None if unknown."""
+  try:
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, timeout=20, check=True).stdout
+    return int(float(out.split()[0]) * 2 ** 20)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def ledger_budget(total: int | None, processes: int) -> int:
+  """Device bytes the device phase's autotuning may hold at once: 85% of the card less a CUDA
+  context (~0.6 GiB) per worker; 64 GiB when the card's size is unknown."""
+  if not total:
+    return 64 * 2 ** 30
+  return max(2 ** 30, int(total * 0.85) - processes * 0.6 * 2 ** 30)
 
 
 @contextlib.contextmanager
@@ -127,6 +166,11 @@ def load_executable(path: pathlib.Path):
 # ---- the worker side -------------------------------------------------------------------------
 
 
+def job_key(label: str) -> str:
+  """A compile's file name in the pre-pass's directories (claims, done markers)."""
+  return hashlib.sha1(label.encode()).hexdigest()
+
+
 def _claim(path: pathlib.Path) -> bool:
   """Takes a compile for this worker: creating the file succeeds in exactly one process."""
   try:
@@ -136,22 +180,114 @@ def _claim(path: pathlib.Path) -> bool:
   return True
 
 
-def work(jobs: list[tuple[str, Callable]], workdir, deadline: float | None,
-         executables: str | None = None):
-  """One worker's loop over the sweep's compiles ([(label, thunk)], the same list in every
-  worker): claim the next unclaimed one, build it, hand its executable over to `executables`
-  (when given), log it; stop at `deadline` (time.time())."""
+def _field(job, name: str, index: int, default):
+  return getattr(job, name, job[index] if len(job) > index else default)
+
+
+def order_jobs(jobs: Sequence, phase: str | None) -> list:
+  """The order a worker of `phase` takes the sweep's compiles in.
+
+  "device": only the compiles that run kernels on the device (`sweep.Job.device`), longest first
+  (they must all be done before the first call is timed, so the phase ends when its longest chain
+  does: longest-processing-time-first). "kernel": only the others, in plan order (the timing process
+  takes the shapes in plan order and waits for each shape's). None: everything, device compiles
+  first (longest first), then the rest in plan order. Jobs may be (label, thunk) pairs (device
+  False, cost 1)."""
+  device = [j for j in jobs if _field(j, "device", 2, False)]
+  other = [j for j in jobs if not _field(j, "device", 2, False)]
+  device = sorted(device, key=lambda j: -_field(j, "cost_s", 3, 1.0))  # stable: plan order on ties
+  if phase == "device":
+    return device
+  if phase == "kernel":
+    return other
+  return device + other
+
+
+class MemoryLedger:
+  """Device memory the workers' autotuning holds, shared through a file under an exclusive lock
+  (fcntl.flock: released by the kernel if a worker dies). A compile starts when its guess fits
+  beside what the others hold, or when nothing else is held (one too big for the card then runs
+  alone and fails alone, as it would in the timing process)."""
+
+  def __init__(self, path, budget: int):
+    self.path, self.budget = pathlib.Path(path), budget
+    self.path.touch(exist_ok=True)
+    self.key = str(os.getpid())
+
+  def _update(self, change: Callable[[dict], bool]) -> bool:
+    with open(self.path, "r+", encoding="utf-8") as f:
+      fcntl.flock(f, fcntl.LOCK_EX)
+      try:
+        text = f.read()
+        held = json.loads(text) if text.strip() else {}
+        ok = change(held)
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(held))
+        f.flush()
+        return ok
+      finally:
+        fcntl.flock(f, fcntl.LOCK_UN)
+
+  def try_hold(self, nbytes: int) -> bool:
+    """Records `nbytes` as this worker's if they fit now; False (nothing recorded) otherwise."""
+    def change(held):
+      used = sum(v for k, v in held.items() if k != self.key)
+      if nbytes and used and used + nbytes > self.budget:
+        return False
+      held[self.key] = nbytes
+      return True
+    return self._update(change)
+
+  def release(self):
+    self._update(lambda held: held.pop(self.key, None) is not None)
+
+  def held(self) -> int:
+    text = self.path.read_text()
+    return sum(json.loads(text).values()) if text.strip() else 0
+
+
+def work(jobs: Sequence, workdir, deadline: float | None, executables: str | None = None,
+         phase: str | None = None, ledger: MemoryLedger | None = None):
+  """One worker's loop over the sweep's compiles (`sweep.Job`s or (label, thunk) pairs, the same
+  list in every worker), in `order_jobs(jobs, phase)`: take the first one not taken yet (and, with
+  a ledger, whose device memory fits now), build it, hand its executable over to `executables`
+  (when given), mark it done, log it; stop at `deadline` (time.time())."""
   workdir = pathlib.Path(workdir)
-  claims = workdir / "claims"
+  claims, done = workdir / "claims", workdir / "done"
   claims.mkdir(parents=True, exist_ok=True)
+  done.mkdir(parents=True, exist_ok=True)
+  pending = order_jobs(jobs, phase)
   with open(workdir / f"report-{os.getpid()}.jsonl", "a", encoding="utf-8") as log:
-    for index, (label, thunk) in enumerate(jobs):
+    while pending:
       if deadline and time.time() > deadline:
         break
-      if not _claim(claims / str(index)):
+      taken = None
+      for job in list(pending):
+        label = job[0]
+        key = job_key(label)
+        if (claims / key).exists():
+          pending.remove(job)
+          continue
+        mem = _field(job, "mem_bytes", 4, 0)
+        if ledger is not None and not ledger.try_hold(mem):
+          continue  # does not fit beside the others' autotuning now: try a smaller one
+        if not _claim(claims / key):
+          if ledger is not None:
+            ledger.release()
+          pending.remove(job)
+          continue
+        taken = job
+        break
+      if taken is None:
+        if pending:
+          time.sleep(POLL_S / 5)
         continue
+      pending.remove(taken)
+      label, thunk = taken[0], taken[1]
+      begin = time.time()
       start = time.perf_counter()
-      handed_over = False
+      handed_over, built = False, None
       try:
         built = thunk()
         error = None
@@ -164,12 +300,32 @@ def work(jobs: list[tuple[str, Callable]], workdir, deadline: float | None,
             pass
       except Exception as e:  # pylint: disable=broad-except  (the timing process retries it)
         error = " ".join(memory.describe_error(e))[:300]
-      log.write(json.dumps({"job": label, "s": time.perf_counter() - start,
-                            "error": error, "handed_over": handed_over}) + "\n")
+      finally:
+        if ledger is not None:
+          ledger.release()
+      (done / job_key(label)).touch()  # after the executable: done and absent means not handed
+      log.write(json.dumps({"job": label, "s": time.perf_counter() - start, "start": begin,
+                            "phase": phase, "error": error, "handed_over": handed_over}) + "\n")
       log.flush()
+      del built
 
 
 # ---- the main-process side -------------------------------------------------------------------
+
+
+def _breakdown(reports: list[dict]) -> str:
+  """Compile-seconds per implementation (the label's first word), most first."""
+  if not reports:
+    return ""
+  by = collections.defaultdict(lambda: [0, 0.0, 0])
+  for r in reports:
+    b = by[r["job"].split()[0]]
+    b[0] += 1
+    b[1] += r["s"]
+    b[2] += r["error"] is not None
+  parts = [f"{name.replace('pallas_attn:', '')} {n}/{s:.0f}s{f' ({f} failed)' if f else ''}"
+           for name, (n, s, f) in sorted(by.items(), key=lambda kv: -kv[1][1])]
+  return "calls/compile-seconds: " + ", ".join(parts)
 
 
 @dataclasses.dataclass
@@ -184,6 +340,10 @@ class Prepass:
   entries_before: int
   entries_after: int
   worker_failures: list[str]
+  device_phase_s: float | None = None  # pipelined: until the first call could be timed
+  waited_s: float = 0.0  # pipelined: the timing process waiting for workers' compiles
+  self_built: int = 0  # pipelined: compiles the timing process took itself (none had started)
+  breakdown: str = ""
 
   def summary(self) -> str:
     text = (f"compile pre-pass: {self.processes} processes built {self.compiled} calls in "
@@ -191,14 +351,25 @@ class Prepass:
             f"{f'; {self.failed} failed, left to the timing process' if self.failed else ''}); "
             f"cache entries {self.entries_before} -> {self.entries_after}; "
             f"{self.handed_over} executables handed over")
-    return "\n".join([text] + [f"  {line}" for line in self.worker_failures])
+    lines = [text]
+    if self.device_phase_s is not None:
+      lines.append(f"  pipelined: device-phase compiles (autotuning) done after "
+                   f"{self.device_phase_s:.0f} s, before the first call was timed; the timing "
+                   f"process then waited {self.waited_s:.0f} s for workers' compiles and built "
+                   f"{self.self_built} no worker had started")
+    if self.breakdown:
+      lines.append(f"  {self.breakdown}")
+    return "\n".join(lines + [f"  {line}" for line in self.worker_failures])
 
 
 def _worker_cmd(argv: list[str], workdir: pathlib.Path, cache: str, deadline: float | None,
-                executables: str | None) -> list[str]:
+                executables: str | None, phase: str | None = None,
+                ledger_bytes: int | None = None) -> list[str]:
   return [sys.executable, "-m", "benchmarks.run", *argv, "--compile-worker", str(workdir),
           "--compile-cache", cache, "--compile-deadline", str(deadline or 0), "--quiet",
-          *(["--compile-executables", executables] if executables else [])]
+          *(["--compile-executables", executables] if executables else []),
+          *(["--compile-phase", phase] if phase else []),
+          *(["--compile-ledger-bytes", str(ledger_bytes)] if ledger_bytes else [])]
 
 
 def _reports(workdir: pathlib.Path) -> list[dict]:
@@ -208,6 +379,18 @@ def _reports(workdir: pathlib.Path) -> list[dict]:
   return rows
 
 
+def _stop(procs):
+  for p in procs:
+    if p.poll() is None:
+      p.terminate()
+  for p in procs:
+    try:
+      p.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      p.kill()
+      p.wait()
+
+
 def _wait(procs, workdir: pathlib.Path, deadline: float | None, quiet: bool):
   """Waits for the workers, reporting progress; terminates those still running GRACE_S past the
   deadline (a worker stops claiming compiles at the deadline by itself)."""
@@ -215,15 +398,7 @@ def _wait(procs, workdir: pathlib.Path, deadline: float | None, quiet: bool):
   while any(p.poll() is None for p in procs):
     now = time.time()
     if deadline and now > deadline + GRACE_S:
-      for p in procs:
-        if p.poll() is None:
-          p.terminate()
-      for p in procs:
-        try:
-          p.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-          p.kill()
-          p.wait()
+      _stop(procs)
       break
     if not quiet and now > next_report:
       print(f"compile pre-pass: {len(_reports(workdir))} calls built", file=sys.stderr,
@@ -237,12 +412,144 @@ def _tail(path: pathlib.Path, lines: int = 3) -> str:
   return " | ".join(text[-lines:])
 
 
+def lower_priority(phase: str | None):
+  """A kernel-phase worker lowers its own priority first thing (the threads it starts later, XLA's
+  compile pools among them, inherit it): the timing process's host enqueue comes first."""
+  if phase == "kernel":
+    try:
+      os.nice(KERNEL_WORKER_NICE)
+    except OSError:
+      pass
+
+
+class Pipeline:
+  """The pipelined pre-pass: compiles in worker processes while the sweep is timed.
+
+  1. `start_device_phase()`: `processes` workers build the compiles that run kernels on the device
+     (XLA's autotuning: jax_xla, blocked_jax, reference, the float32 reference), longest first,
+     sharing the card's memory through a `MemoryLedger`. As each runs out of them and exits, a
+     kernel-phase worker takes its core. `wait_device_phase()` returns when the last device-phase
+     worker has exited: only then does the timing process start its backend, so no autotuning
+     ever runs on the device while a call is timed.
+  2. The kernel-phase workers (niced) build everything else (Mosaic GPU and Triton kernels, cuDNN)
+     in plan order, while the timing process times the shapes in plan order. For each compile it
+     `fetch`es: the worker's executable when done; when no worker has taken it yet, it takes it
+     and builds it itself (it would only wait otherwise); when a worker is building it, it waits.
+  3. `finish()`: stops the workers and says what they did.
+  """
+
+  def __init__(self, argv: list[str], processes: int, cache: str, budget_s: float | None,
+               quiet: bool, executables: str | None):
+    self.argv, self.processes, self.cache, self.quiet = argv, processes, cache, quiet
+    self.executables = executables
+    self.deadline = time.time() + budget_s if budget_s else None
+    self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="pallas_attn_prepass_"))
+    (self.workdir / "claims").mkdir()
+    (self.workdir / "done").mkdir()
+    self.device_procs, self.kernel_procs, self.logs = [], [], []
+    self.started = time.perf_counter()
+    self.device_phase_s = None
+    self.waited_s, self.self_built = 0.0, 0
+    self.finished = None  # finish()'s Prepass once called
+    self.before = compile_cache.entries(cache)
+    self.ledger_bytes = ledger_budget(gpu_memory_bytes() if gpu_visible() else None, processes)
+
+  def _spawn(self, phase: str):
+    log = self.workdir / f"worker-{len(self.logs)}-{phase}.log"
+    self.logs.append(log)
+    with open(log, "w", encoding="utf-8") as f:
+      proc = subprocess.Popen(  # pylint: disable=consider-using-with
+          _worker_cmd(self.argv, self.workdir, self.cache, self.deadline, self.executables, phase,
+                      self.ledger_bytes if phase == "device" else None),
+          cwd=ROOT, env=worker_env(self.processes, phase), stdin=subprocess.DEVNULL, stdout=f,
+          stderr=subprocess.STDOUT)
+    (self.device_procs if phase == "device" else self.kernel_procs).append(proc)
+
+  def start_device_phase(self):
+    if not self.quiet:
+      print(f"compile pre-pass (pipelined): {self.processes} processes -> {self.cache}",
+            file=sys.stderr, flush=True)
+    for _ in range(self.processes):
+      self._spawn("device")
+
+  def wait_device_phase(self):
+    """Blocks until every device-phase worker has exited (terminated GRACE_S past the deadline),
+    starting a kernel-phase worker in each one's place as it exits."""
+    next_report = time.time() + REPORT_EVERY_S
+    replaced = set()
+    while True:
+      for i, p in enumerate(self.device_procs):
+        if p.poll() is not None and i not in replaced:
+          replaced.add(i)
+          self._spawn("kernel")
+      if len(replaced) == len(self.device_procs):
+        break
+      now = time.time()
+      if self.deadline and now > self.deadline + GRACE_S:
+        _stop(self.device_procs)
+        continue
+      if not self.quiet and now > next_report:
+        print(f"compile pre-pass: {len(_reports(self.workdir))} calls built (device phase)",
+              file=sys.stderr, flush=True)
+        next_report = now + REPORT_EVERY_S
+      time.sleep(POLL_S / 5)
+    self.device_phase_s = time.perf_counter() - self.started
+    if not self.quiet:
+      print(f"compile pre-pass: device phase done after {self.device_phase_s:.0f} s "
+            f"({len(_reports(self.workdir))} calls built); timing starts", file=sys.stderr,
+            flush=True)
+
+  def _workers_alive(self) -> bool:
+    return any(p.poll() is None for p in self.kernel_procs + self.device_procs)
+
+  def fetch(self, label: str, build: Callable, *, is_build: bool = True):
+    """The compile called `label` for the timing process: a worker's executable (waiting while a
+    worker builds it), or `build()` here when no worker took it, it failed, or did not load."""
+    key = job_key(label)
+    done, claim = self.workdir / "done" / key, self.workdir / "claims" / key
+    start = time.perf_counter()
+    while not done.exists():
+      if not claim.exists() and _claim(claim):
+        self.self_built += 1
+        return build()  # nobody has started it: faster to build it than to wait
+      if not self._workers_alive() or time.perf_counter() - start > FETCH_WAIT_S:
+        break
+      time.sleep(0.02)
+    self.waited_s += time.perf_counter() - start
+    from benchmarks import sweep  # pylint: disable=import-outside-toplevel  (a cycle otherwise)
+    return sweep._handed_over_or(  # pylint: disable=protected-access
+        build, executable_file(self.executables, label), is_build=is_build) \
+        if self.executables else build()
+
+  def finish(self) -> Prepass:
+    """Stops the workers (they are done or past use once the sweep ends) and reports."""
+    if self.finished is not None:
+      return self.finished
+    _stop(self.kernel_procs + self.device_procs)
+    reports = _reports(self.workdir)
+    procs = self.device_procs + self.kernel_procs
+    failures = [f"worker {i} exited with {p.returncode}: {_tail(log)}"
+                for i, (p, log) in enumerate(zip(procs, self.logs))
+                if p.returncode and p.returncode not in (-15, -9)]
+    shutil.rmtree(self.workdir, ignore_errors=True)
+    ok = [r for r in reports if r["error"] is None]
+    self.finished = Prepass(processes=self.processes, seconds=time.perf_counter() - self.started,
+                   compiled=len(ok), failed=len(reports) - len(ok),
+                   compile_s=sum(r["s"] for r in reports),
+                   handed_over=sum(bool(r.get("handed_over")) for r in reports),
+                   entries_before=self.before, entries_after=compile_cache.entries(self.cache),
+                   worker_failures=failures, device_phase_s=self.device_phase_s,
+                   waited_s=self.waited_s, self_built=self.self_built,
+                   breakdown=_breakdown(reports))
+    return self.finished
+
+
 def run_prepass(argv: list[str], processes: int, cache: str, budget_s: float | None,
                 quiet: bool, executables: str | None = None) -> Prepass:
-  """Runs the pre-pass for the sweep that `argv` (benchmarks.run's arguments) describes: starts
-  `processes` workers, waits for them (at most `budget_s` plus a grace period), and returns what
-  they did. Never raises for a worker's sake: whatever a worker did not build, the timing process
-  compiles itself."""
+  """The pre-pass without the pipeline (`--no-compile-pipeline`): starts `processes` workers over
+  every compile (the device ones first, longest first), waits for them (at most `budget_s` plus a
+  grace period), and returns what they did. Never raises for a worker's sake: whatever a worker did
+  not build, the timing process compiles itself."""
   started = time.perf_counter()
   deadline = time.time() + budget_s if budget_s else None
   before = compile_cache.entries(cache)
@@ -267,7 +574,7 @@ def run_prepass(argv: list[str], processes: int, cache: str, budget_s: float | N
                  failed=len(reports) - len(ok), compile_s=sum(r["s"] for r in reports),
                  handed_over=sum(bool(r.get("handed_over")) for r in reports),
                  entries_before=before, entries_after=compile_cache.entries(cache),
-                 worker_failures=failures)
+                 worker_failures=failures, breakdown=_breakdown(reports))
 
 
 def main_summary(rows: list[dict]) -> str | None:

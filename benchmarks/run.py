@@ -81,10 +81,15 @@ def parse_args(argv=None):
                       "on a many-core host, but XLA's GPU autotuner then times its candidates "
                       "concurrently and may pick worse kernels for the xla path")
   p.add_argument("--compile-processes", type=int, default=None,
-                 help="worker processes that compile the whole sweep into JAX's persistent "
-                      "compilation cache before anything is timed (the timing process then loads "
-                      "from it); they have exited before the first call is timed (default: "
-                      "min(8, cores - 1) on a GPU, 0 on the CPU)")
+                 help="worker processes that compile the sweep and hand their executables to the "
+                      "timing process (see --compile-pipeline; default: cores - 1 on a GPU, 0 on "
+                      "the CPU)")
+  p.add_argument("--compile-pipeline", action=argparse.BooleanOptionalAction, default=True,
+                 help="with --compile-processes: the compiles that autotune on the device are "
+                      "built first (longest first), the sweep is timed as soon as they are done, "
+                      "and the workers build the rest (kernels) while it is timed, shape by shape "
+                      "ahead of it; --no-compile-pipeline: every compile is built before anything "
+                      "is timed")
   p.add_argument("--compile-cache", default=None,
                  help="the persistent compilation cache's directory, kept after the run (a later "
                       "run with the same shapes then loads every call from it); default: a "
@@ -127,6 +132,9 @@ def parse_args(argv=None):
   p.add_argument("--compile-worker", default=None, help=argparse.SUPPRESS)
   p.add_argument("--compile-deadline", type=float, default=0, help=argparse.SUPPRESS)
   p.add_argument("--compile-executables", default=None, help=argparse.SUPPRESS)
+  p.add_argument("--compile-phase", default=None, choices=["device", "kernel"],
+                 help=argparse.SUPPRESS)
+  p.add_argument("--compile-ledger-bytes", type=int, default=0, help=argparse.SUPPRESS)
   return p.parse_args(argv)
 
 
@@ -279,12 +287,18 @@ def _done(args, out_path: pathlib.Path) -> frozenset:
 def _compile_worker(args):
   """--compile-worker DIR, started by the pre-pass: build the sweep's compiles it claims into
   --compile-cache, then exit. Nothing runs and nothing is timed; the results file is only read."""
+  precompile.lower_priority(args.compile_phase)  # before the backend starts its threads
   plat = sweep.platform()
   shapes, impl_list, cfg = configure(args, plat != "cpu")
   planned = sweep.plan(shapes, impl_list, cfg, plat, _done(args, _out_path(args, plat)))
+  ledger = None
+  if args.compile_phase == "device" and args.compile_ledger_bytes and plat != "cpu":
+    ledger = precompile.MemoryLedger(pathlib.Path(args.compile_worker) / "ledger.json",
+                                     args.compile_ledger_bytes)
   with compile_cache.enabled(args.compile_cache):
     precompile.work(sweep.compile_jobs(planned, cfg), args.compile_worker,
-                    args.compile_deadline or None, args.compile_executables)
+                    args.compile_deadline or None, args.compile_executables,
+                    args.compile_phase, ledger)
 
 
 def _prepass_processes(args) -> int:
@@ -305,37 +319,65 @@ def main(argv=None) -> list[dict]:
   processes = _prepass_processes(args)
   with (precompile.cache_dir(args.compile_cache, processes > 0) as cache,
         precompile.executables_dir(processes > 0) as executables):
-    prepass = None
+    prepass = pipeline = None
     if processes:
       # Before this process starts its backend: on a GPU that takes 75% of the memory, which the
       # workers' autotuning needs while they run.
       budget = _time_budget(args, precompile.gpu_visible())
       compile_budget = args.compile_budget if args.compile_budget is not None else budget / 2
-      prepass = precompile.run_prepass(argv, processes, cache, compile_budget or None,
+      if args.compile_pipeline:
+        pipeline = precompile.Pipeline(argv, processes, cache, compile_budget or None,
                                        args.quiet, executables)
-      if not args.quiet:
-        print(prepass.summary(), file=sys.stderr, flush=True)
-    with compile_cache.enabled(cache):
-      return _run(args, started, prepass, executables)
+        pipeline.start_device_phase()
+        try:
+          pipeline.wait_device_phase()
+        except BaseException:
+          pipeline.finish()
+          raise
+      else:
+        prepass = precompile.run_prepass(argv, processes, cache, compile_budget or None,
+                                         args.quiet, executables)
+        if not args.quiet:
+          print(prepass.summary(), file=sys.stderr, flush=True)
+    try:
+      with compile_cache.enabled(cache):
+        return _run(args, started, prepass, executables, pipeline)
+    finally:
+      if pipeline is not None:  # no worker outlives the run
+        pipeline.finish()
 
 
 def _run(args, started: float, prepass: precompile.Prepass | None,
-         executables: str | None = None) -> list[dict]:
-  """The sweep, the out-of-memory search and the summary (the pre-pass, if any, is done)."""
+         executables: str | None = None,
+         pipeline: precompile.Pipeline | None = None) -> list[dict]:
+  """The sweep, the out-of-memory search and the summary (the pre-pass, if any, is done; a
+  pipelined one has done its device phase and builds the rest while the sweep is timed)."""
   plat = sweep.platform()
   on_gpu = plat != "cpu"
   ctx = sweep.run_context()
   if args.run_id:
     ctx["run_id"] = args.run_id
   shapes, impl_list, cfg = configure(args, on_gpu)
-  cfg = dataclasses.replace(cfg, executables_dir=executables)
-  budget = cfg.time_budget_s
+  cfg = dataclasses.replace(cfg, executables_dir=executables, handover=pipeline)
   out_path = _out_path(args, plat)
   done = _done(args, out_path)
   if args.list:
     print_plan(sweep.plan(shapes, impl_list, cfg, plat, done), cfg, out_path)
     return []
   out = Writer(out_path, args.append or args.resume)
+  try:
+    return _sweep_and_search(args, started, prepass, pipeline, cfg, shapes, impl_list, plat, ctx,
+                             done, out, out_path)
+  finally:
+    out.close()
+    if pipeline is not None:
+      pipeline.finish()
+
+
+def _sweep_and_search(args, started, prepass, pipeline, cfg, shapes, impl_list, plat, ctx, done,
+                      out, out_path) -> list[dict]:
+  on_gpu = plat != "cpu"
+  budget = cfg.time_budget_s
   try:
     ceiling_n = args.ceiling_size if args.ceiling_size is not None else (8192 if on_gpu else 512)
     ceiling_tflops = None
@@ -353,6 +395,8 @@ def _run(args, started: float, prepass: precompile.Prepass | None,
       cfg = dataclasses.replace(cfg, time_budget_s=left)
     sweep.run_sweep(shapes, impl_list, cfg, out, progress, ceiling_tflops, ctx, done)
     progress.close()
+    if pipeline is not None:  # its workers are done or of no more use: free their cores
+      prepass = pipeline.finish()
 
     search = args.max_seq_search if args.max_seq_search is not None else not on_gpu
     if search:

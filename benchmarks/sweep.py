@@ -5,8 +5,9 @@ asked; compiling needs no data), draw fresh random inputs, compute the float32 r
 time the calls one after another, each checked against the reference. Nothing compiles while a
 call is timed: compiling in background threads (tried on the H200, session 3) starved the timing
 thread of the GIL, so the device idled between enqueued calls and rates came out 10-100x low.
-Compiling ahead in other processes (`precompile.py`) is safe: they have finished before the first
-call is timed, and they hand the executables over through JAX's persistent compilation cache.
+Compiling ahead in other processes (`precompile.py`) is safe: they share no GIL, the compiles that
+autotune on the device are done before the first call is timed, the rest (host cores only, niced
+workers) go on while it is timed, and the executables are handed over serialized.
 Anything that fails (an unsupported shape, a missing package, out of memory) becomes a row whose
 `error` says why, and the sweep goes on.
 """
@@ -18,7 +19,7 @@ import dataclasses
 import datetime
 import functools
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +56,9 @@ class SweepConfig:
   all_pairs: bool = False  # measure every implementation at every shape (see impls.wanted)
   # The compile pre-pass's executables (precompile.py), loaded instead of built; None: build all.
   executables_dir: str | None = None
+  # The pipelined pre-pass (precompile.Pipeline): `fetch(label, build, is_build)` waits for a
+  # worker's executable, or builds the call here when no worker has taken it. None: see above.
+  handover: Any = None
 
   @property
   def jnp_dtype(self):
@@ -238,7 +242,11 @@ def _shape_jobs(shape: Shape, tasks, cfg: SweepConfig, check: bool) -> dict:
       if p in cfg.passes:
         jobs[("reference_f32", p)] = (
             lambda fn=fn, p=p: jax.jit(fn).lower(*impls_lib.arg_specs(shape, p, dtype)).compile())
-  if cfg.executables_dir is not None:
+  if cfg.handover is not None:
+    jobs = {key: functools.partial(cfg.handover.fetch, job_label(*key, shape), thunk,
+                                   is_build=key[0] != "reference_f32")
+            for key, thunk in jobs.items()}
+  elif cfg.executables_dir is not None:
     jobs = {key: functools.partial(_handed_over_or, thunk, precompile.executable_file(
         cfg.executables_dir, job_label(*key, shape)), is_build=key[0] != "reference_f32")
             for key, thunk in jobs.items()}
@@ -264,16 +272,56 @@ def _handed_over_or(build, path, *, is_build: bool):
   return build()
 
 
+# Compiles that run candidate kernels on the device (XLA's GPU autotuner: the dense and blocked
+# XLA paths and the float32 reference). In the pipelined pre-pass they are all built before the
+# first call is timed; the rest (Mosaic GPU and Triton kernels, cuDNN's custom call) only use the
+# host's cores and are built while the sweep is timed.
+DEVICE_COMPILES = frozenset({"jax_xla", "pallas_attn:blocked_jax", "pallas_attn:reference",
+                             "reference_f32"})
+# Rough seconds per compile on the H200 at a 16k-token shape, for ordering only (session 3-5 rows).
+_COST_S = {"jax_xla": (3.0, 6.0), "pallas_attn:blocked_jax": (6.0, 9.0),
+           "pallas_attn:reference": (4.0, 11.0), "reference_f32": (2.0, 5.0),
+           "pallas_attn:mosaic_gpu": (2.0, 6.0), "tokamax_mosaic": (1.5, 4.5),
+           "tokamax_triton": (1.0, 3.0), "jax_cudnn": (0.6, 1.1)}
+_DENSE = frozenset({"jax_xla", "pallas_attn:reference", "reference_f32"})
+
+
+class Job(NamedTuple):
+  """One compile of the sweep, as the pre-pass's workers see it."""
+  label: str
+  thunk: Callable
+  device: bool = False  # its compile runs kernels on the device (DEVICE_COMPILES)
+  cost_s: float = 1.0  # a guess at its compile time, for longest-first ordering
+  mem_bytes: int = 0  # a guess at the device memory its autotuning takes
+  shape_index: int = 0  # its shape's place in the plan
+
+
+def job_estimate(name: str, pass_: str, shape: Shape) -> tuple[float, int]:
+  """(seconds, device bytes) guessed for compiling `name`'s `pass_` at `shape`: the seconds grow
+  with the score matrix (XLA's autotuning times bigger candidates); a dense path's autotuning holds
+  the float32 score matrix (twice for the backward)."""
+  fwd_s, bwd_s = _COST_S.get(name, (2.0, 4.0))
+  size = shape.score_elements / 2 ** 31
+  cost = (fwd_s if pass_ == "fwd" else bwd_s) * (0.5 + min(size, 4.0))
+  mem = 0
+  if name in _DENSE:
+    mem = shape.score_elements * 4 * (1 if pass_ == "fwd" else 2)
+  elif name in DEVICE_COMPILES:
+    mem = 2 ** 30
+  return cost, mem
+
+
 def _checked(shape: Shape, cfg: SweepConfig) -> bool:
   """Whether the shape's results are compared with the float32 reference."""
   return shape.score_elements <= cfg.check_max_scores
 
 
-def compile_jobs(planned, cfg: SweepConfig) -> list[tuple[str, Callable]]:
-  """[(label, thunk)]: every compile the sweep of `planned` (from `plan`) will make, in the order
-  it makes them (what the compile pre-pass builds ahead of it)."""
-  return [(job_label(name, p, shape), thunk)
-          for shape, tasks in planned
+def compile_jobs(planned, cfg: SweepConfig) -> list[Job]:
+  """Every compile the sweep of `planned` (from `plan`) will make, in the order it makes them
+  (what the compile pre-pass builds ahead of it), with what the pre-pass orders them by."""
+  return [Job(job_label(name, p, shape), thunk, name in DEVICE_COMPILES,
+              *job_estimate(name, p, shape), index)
+          for index, (shape, tasks) in enumerate(planned)
           for (name, p), thunk in _shape_jobs(shape, tasks, cfg, _checked(shape, cfg)).items()]
 
 

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# One device call on the H200: the benchmark sweep with the compile pre-pass (worker processes
-# fill JAX's persistent compilation cache, then one process times), measuring only what the
-# committed results file does not hold yet (--resume; rows recorded as skipped are measured again).
+# One device call on the H200: the benchmark sweep with the pipelined compile pre-pass (worker
+# processes build the autotuning compiles first, then the kernels while one process times, and
+# hand their executables over), measuring only what the committed results file does not hold yet
+# (--resume; rows recorded as skipped are measured again).
 #   run: bash scripts/h200_sweep.sh [more benchmarks.run args...]
 # --resume reads the measurements already made from --out and appends to it, so the script starts
 # from a copy of benchmarks/results/h200.jsonl in $OUT: the file that comes back is the committed
@@ -11,7 +12,8 @@
 # shared/wheels/tokamax/.
 # Environment:
 #   SHAPES (presets, default full), BUDGET (--time-budget, s, default 480: the pre-pass and the
-#   timing together), COMPILE_PROCESSES (default benchmarks.run's: min(8, cores - 1)),
+#   timing together), COMPILE_PROCESSES (default benchmarks.run's: cores - 1),
+#   PIPELINE=0 (--no-compile-pipeline: every compile before anything is timed, as in session 4),
 #   COMPILE_BUDGET (s, default half of BUDGET), JAX_CACHE (the cache, default
 #   /tmp/pallas_attn_jax_cache: kept while the machine stays warm, so a second call loads the
 #   first one's compiles), HARD_TIMEOUT (s, default 575; a device call ends at 600),
@@ -38,8 +40,11 @@ timeout "${HARD_TIMEOUT:-575}" python3 -m benchmarks.run $mode --out "$OUT/h200.
   --shapes "${SHAPES:-full}" --time-budget "${BUDGET:-480}" \
   --compile-cache "${JAX_CACHE:-/tmp/pallas_attn_jax_cache}" \
   ${COMPILE_PROCESSES:+--compile-processes $COMPILE_PROCESSES} \
-  ${COMPILE_BUDGET:+--compile-budget $COMPILE_BUDGET} "$@" >"$OUT/bench.log" 2>&1
+  ${COMPILE_BUDGET:+--compile-budget $COMPILE_BUDGET} \
+  $([ "${PIPELINE:-1}" = 0 ] && echo --no-compile-pipeline) "$@" >"$OUT/bench.log" 2>&1
 echo "benchmarks.run exit $? after $(( $(date +%s) - start )) s"
+grep -v "Autotuning cache miss\|cuda_timer" "$OUT/bench.log" | tr '\r' '\n' \
+  | grep -v "call/s\]\|s/call\]" | grep "compile pre-pass" | head -40
 grep -v "Autotuning cache miss\|cuda_timer" "$OUT/bench.log" | tr '\r' '\n' \
   | grep -v "call/s\]\|s/call\]" | tail -60
 # What this call measured and what is still left (rows recorded as skipped).

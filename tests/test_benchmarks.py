@@ -392,13 +392,14 @@ def _measured(rows) -> dict:
   return {report.measurement_key(r): r for r in rows if r["kind"] == "attention"}
 
 
-def test_compile_prepass_fills_the_cache_and_the_sweep_loads_it(tmp_path):
+@pytest.mark.parametrize("pipeline", ["--compile-pipeline", "--no-compile-pipeline"])
+def test_compile_prepass_fills_the_cache_and_the_sweep_loads_it(tmp_path, pipeline):
   """Two worker processes build the sweep's compiles into the persistent cache; the timing
   process then loads every call from it and measures the same rows as a run without them."""
   cache = tmp_path / "cache"
   plain = run.main(SMALL_SWEEP + ["--out", str(tmp_path / "plain.jsonl"),
                                   "--compile-processes", "0"])
-  rows = run.main(SMALL_SWEEP + ["--out", str(tmp_path / "prepass.jsonl"),
+  rows = run.main(SMALL_SWEEP + ["--out", str(tmp_path / "prepass.jsonl"), pipeline,
                                  "--compile-processes", "2", "--compile-cache", str(cache)])
   # Each of 3 shapes: 2 implementations and the float32 reference, built by the workers.
   assert compile_cache.entries(cache) >= 9
@@ -450,3 +451,122 @@ def test_compile_workers_claim_each_compile_once(tmp_path):
              for line in p.read_text().splitlines()]
   assert [r["job"] for r in reports] == ["0", "1", "2", "fails"]
   assert "ZeroDivisionError" in reports[-1]["error"]
+
+
+def _job(label, device=False, cost=1.0, mem=0, index=0):
+  return sweep.Job(label, lambda: label, device, cost, mem, index)
+
+
+def test_device_compiles_come_first_longest_first_and_kernels_in_plan_order():
+  jobs = [_job("mosaic a", index=0), _job("xla a", True, 2.0, index=0),
+          _job("tokamax a", index=0), _job("xla b", True, 9.0, index=1),
+          _job("ref b", True, 2.0, index=1), _job("mosaic b", index=1)]
+  labels = lambda js: [j[0] for j in js]
+  assert labels(precompile.order_jobs(jobs, "device")) == ["xla b", "xla a", "ref b"]
+  assert labels(precompile.order_jobs(jobs, "kernel")) == ["mosaic a", "tokamax a", "mosaic b"]
+  assert labels(precompile.order_jobs(jobs, None)) == ["xla b", "xla a", "ref b", "mosaic a",
+                                                        "tokamax a", "mosaic b"]
+  # bare (label, thunk) pairs: no device compiles, plan order
+  assert labels(precompile.order_jobs([("x", None), ("y", None)], None)) == ["x", "y"]
+
+
+def test_job_estimates_mark_the_autotuning_compiles_and_grow_with_the_shape():
+  small, big = shapes.preset("fa")[0], shapes.preset("long")[-1]
+  assert small.score_elements < big.score_elements
+  cfg = sweep.SweepConfig(passes=("fwd", "fwd_bwd"), check_max_scores=2 ** 29)
+  impl_list = [impls.get(n, "gpu") for n in ("jax_xla", "pallas_attn:mosaic_gpu")]
+  jobs = sweep.compile_jobs(sweep.plan([small, big], impl_list, cfg, "gpu"), cfg)
+  by = {j.label: j for j in jobs}
+  assert all(j.device == (j.label.split()[0] in sweep.DEVICE_COMPILES) for j in jobs)
+  assert any(j.label.startswith("reference_f32") for j in jobs)  # the small shape is checked
+  xla_small = by[sweep.job_label("jax_xla", "fwd_bwd", small)]
+  xla_big = by[sweep.job_label("jax_xla", "fwd_bwd", big)]
+  assert xla_big.cost_s > xla_small.cost_s and xla_big.mem_bytes > xla_small.mem_bytes > 0
+  assert by[sweep.job_label("pallas_attn:mosaic_gpu", "fwd", big)].mem_bytes == 0
+  assert [j.shape_index for j in jobs] == sorted(j.shape_index for j in jobs)
+
+
+def test_memory_ledger_admits_what_fits_and_a_big_one_alone(tmp_path):
+  path = tmp_path / "ledger.json"
+  a, b = precompile.MemoryLedger(path, 10), precompile.MemoryLedger(path, 10)
+  b.key = "other"
+  assert a.try_hold(6) and a.held() == 6
+  assert not b.try_hold(5)  # 6 + 5 > 10
+  assert b.try_hold(4) and a.held() == 10
+  b.release()
+  a.release()
+  assert a.held() == 0
+  assert b.try_hold(50)  # too big for the budget: admitted when nothing else is held
+  assert not a.try_hold(1) and a.try_hold(0)  # nothing needed: always admitted
+  b.release()
+
+
+class _Proc:
+  def __init__(self, alive):
+    self.alive = alive
+
+  def poll(self):
+    return None if self.alive else 0
+
+
+def test_pipeline_fetch_loads_a_workers_executable_builds_an_untaken_one_and_waits(tmp_path):
+  """The timing process's side of the pipelined pre-pass, without processes: a compile a worker
+  finished is loaded; one no worker took is built here (and claimed, so no worker builds it); one
+  a worker failed, or that a dead worker had taken, is built here."""
+  executables = tmp_path / "exe"
+  executables.mkdir()
+  pipe = precompile.Pipeline(["--quick"], 1, str(tmp_path / "cache"), None, True,
+                             str(executables))
+  try:
+    pipe.wait_device_phase()  # no device-phase workers: done at once
+    fn = jax.jit(lambda x: x + 1.0)
+    x = jnp.arange(4, dtype=jnp.float32)
+    # done by a worker, handed over
+    (pipe.workdir / "claims" / precompile.job_key("done one")).touch()
+    precompile.save_executable(precompile.executable_file(executables, "done one"),
+                               fn.lower(x).compile())
+    (pipe.workdir / "done" / precompile.job_key("done one")).touch()
+    got = pipe.fetch("done one", lambda: "built")
+    assert got.handed_over and np.allclose(got.executable(x), x + 1.0)
+    # nobody took it: built here, and claimed
+    assert pipe.fetch("untaken", lambda: "built") == "built" and pipe.self_built == 1
+    assert (pipe.workdir / "claims" / precompile.job_key("untaken")).exists()
+    # a worker failed it (done, nothing handed over)
+    (pipe.workdir / "claims" / precompile.job_key("failed")).touch()
+    (pipe.workdir / "done" / precompile.job_key("failed")).touch()
+    assert pipe.fetch("failed", lambda: "built", is_build=False) == "built"
+    # taken by a worker that died before finishing it
+    (pipe.workdir / "claims" / precompile.job_key("orphan")).touch()
+    pipe.kernel_procs = [_Proc(alive=False)]
+    assert pipe.fetch("orphan", lambda: "built") == "built"
+    # taken by a live worker that finishes it while the timing process waits
+    (pipe.workdir / "claims" / precompile.job_key("late")).touch()
+    pipe.kernel_procs = [_Proc(alive=True)]
+    import threading
+    threading.Timer(0.3, lambda: (pipe.workdir / "done" / precompile.job_key("late")).touch()
+                    ).start()
+    assert pipe.fetch("late", lambda: "built") == "built"  # done, nothing handed over
+    assert pipe.waited_s >= 0.25
+  finally:
+    pipe.kernel_procs = []
+    summary = pipe.finish()
+  assert summary.self_built == 1 and "pipelined" in summary.summary()
+
+
+def test_compile_workers_take_device_compiles_that_fit_the_ledger(tmp_path):
+  """A device-phase worker skips a compile whose memory does not fit beside what others hold and
+  takes a smaller one; kernel compiles are not its business."""
+  built = []
+  jobs = [sweep.Job("big", lambda: built.append("big"), True, 9.0, 8),
+          sweep.Job("small", lambda: built.append("small"), True, 1.0, 2),
+          sweep.Job("kernel", lambda: built.append("kernel"), False, 1.0, 0)]
+  ledger = precompile.MemoryLedger(tmp_path / "ledger.json", 10)
+  other = precompile.MemoryLedger(tmp_path / "ledger.json", 10)
+  other.key = "someone else"
+  assert other.try_hold(5)
+  import threading
+  threading.Timer(0.5, other.release).start()
+  precompile.work(jobs, tmp_path, None, None, "device", ledger)
+  assert built == ["small", "big"] and ledger.held() == 0
+  assert sorted(p.name for p in (tmp_path / "done").iterdir()) == sorted(
+      precompile.job_key(label) for label in ("big", "small"))
