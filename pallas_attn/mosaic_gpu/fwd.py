@@ -407,7 +407,8 @@ def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, *, produce
       return common.produce_ring(work.num_blocks(), cfg.stages, issue, wait_free, start=count)
 
     total = lax.fori_loop(0, num_items, produce_item, jnp.int32(0))
-    common.drain_ring(total, cfg.stages, produce(batch=0, kv_head=0, block_of=None)[1])
+    _, wait_free = produce(batch=None, kv_head=None, block_of=None)  # (waits need no item)
+    common.drain_ring(total, cfg.stages, wait_free)
 
   @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
   def _consumer():
