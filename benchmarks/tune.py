@@ -91,6 +91,13 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_fold_scale": {"fwd": dict(fold_scale=True)},
     "fwd_ro_store": {"fwd": dict(read_only_store_wait=True)},
     "fwd_fold_ro": {"fwd": dict(fold_scale=True, read_only_store_wait=True)},
+    # g. The persistent forward grid (one CTA per SM, FWD_GAP_ANALYSIS.md P2); with heaviest
+    # causal tiles first (the q tiles axis slowest, reversed), and with the two options above.
+    "fwd_persistent": {"fwd": dict(persistent=True)},
+    "fwd_persistent_heavy_first": {"fwd": dict(persistent=True, reverse_q_tiles=True,
+                                               grid_order=TILES_LAST)},
+    "fwd_persistent_fold_ro": {"fwd": dict(persistent=True, fold_scale=True,
+                                           read_only_store_wait=True)},
     # c. dQ tiles.
     "dq_kv128": {"dq": dict(block_kv=128)},
     "dq_kv128_1st": {"dq": dict(block_kv=128, stages=1)},

@@ -8,6 +8,7 @@ Run those on the H200 with: PYTHONPATH=. python3 -m pytest -m gpu tests/test_mos
 """
 
 import contextlib
+import dataclasses
 import functools
 
 import jax
@@ -111,9 +112,22 @@ _VARIANTS = {
     "fold_scale_overlap_qk": {"fwd": _K(64, 64, stages=3, overlap_qk=True, fold_scale=True)},
     "fused_dq": {"dkv": _K(64, 64, fused_dq=True)},
     "fused_dq_q128": {"dkv": _K(128, 64, fused_dq=True)},
+    # The persistent grid (fwd.INTERPRET_CTAS = 3 CTAs in the interpreter, each walking several
+    # (batch, head, q tile) items): plain, and heaviest causal tiles first with the overlap.
+    "persistent": {"fwd": _K(64, 128, persistent=True)},
+    "persistent_heavy_first_overlap_qk": {
+        "fwd": _K(64, 64, stages=3, overlap_qk=True, fold_scale=True, reverse_q_tiles=True,
+                  grid_order=("heads", "batch", "tiles"), persistent=True)},
 }
 # Two query tiles of 128 rows and several key blocks at every block_kv, odd lengths.
 _CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_203x203")
+# Persistent: batch 2 x 4 query heads (GQA 2) x 2 or 3 q tiles: 16 or 24 items on 3 CTAs.
+_GQA_203 = cases.get_case("gqa_causal_113x203").replace(q_len=203, is_causal=False,
+                                                         name="gqa_203x203")
+_GQA_CAUSAL_203 = _GQA_203.replace(is_causal=True, name="gqa_causal_203x203")
+_GQA_CAUSAL_LENGTHS_330 = cases.get_case("gqa_causal_lengths_113x203").replace(
+    q_len=330, kv_len=330, q_lengths=[330, 201], kv_lengths=[150, 330],
+    name="gqa_causal_lengths_330x330")
 _VARIANT_CASES = [
     ("kv192_reversed_tiles_first", _CAUSAL_203),
     ("kv192_reversed_tiles_first", cases.get_case("mqa_113x203")),  # dK/dV sums a group of 4
@@ -134,6 +148,10 @@ _VARIANT_CASES = [
     ("fused_dq_q128", cases.get_case("window_l32_r8_203x113")),
     # head_dim 128: dQ in two 64-column wgmmas.
     ("fused_dq", cases.get_case("gqa_causal_113x203").replace(head_dim=128)),
+    ("persistent", _GQA_203),
+    ("persistent", _GQA_CAUSAL_203),
+    ("persistent", cases.get_case("lengths_kv0_113x203")),  # items with no key at all
+    ("persistent_heavy_first_overlap_qk", _GQA_CAUSAL_LENGTHS_330),
 ]
 
 
@@ -174,6 +192,43 @@ def test_interpreted_variants_match_reference(variant, case, seed):
   assert interpret_pallas_call.get_races().races_found is False
 
 
+_PERSISTENT_FORWARDS = [
+    # head_dim 256: the output goes through the q tile (no room for its own), so each next q
+    # waits for the store.
+    pytest.param(256, _K(64, 64, persistent=True), {}, id="d256-shared_out_tile"),
+    # The block-table walk (segment ids) and every modifier that reads per-item arrays.
+    pytest.param(64, _K(64, 64, persistent=True, reverse_q_tiles=True), dict(
+        q_segment_ids=True, logits_soft_cap=20.0, dropout_rate=0.1, kv_lengths=[203, 120]),
+                 id="d64-segments_softcap_dropout_lengths"),
+]
+
+
+@pytest.mark.parametrize("head_dim,cfg,mods", _PERSISTENT_FORWARDS)
+def test_interpreted_persistent_forward_equals_default(head_dim, cfg, mods, seed):
+  """The persistent forward computes every tile as the one-tile CTA does: identical out and lse
+  (batch 2 x 4 query heads x 2 q tiles on 3 CTAs, causal, GQA)."""
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (2, 203, 4, head_dim), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (2, 203, 2, head_dim), jnp.bfloat16) for key in keys[1:])
+  kwargs = dict(mods)
+  if kwargs.pop("q_segment_ids", False):
+    segments = jnp.stack([jnp.arange(203) // 70, jnp.arange(203) // 150]).astype(jnp.int32)
+    kwargs.update(q_segment_ids=segments, kv_segment_ids=segments)
+  if "dropout_rate" in kwargs:
+    kwargs["dropout_seed"] = jnp.array([3, 4], jnp.uint32)
+  kv_lengths = kwargs.pop("kv_lengths", None)
+  kv_lengths = None if kv_lengths is None else jnp.array(kv_lengths, jnp.int32)
+  run = lambda c: ops.attention(q, k, v, None, kv_lengths, scale=head_dim ** -0.5,
+                                spec=pallas_attn.MaskSpec(is_causal=True), interpret=True,
+                                fwd_cfg=c, kv_splits=1, **kwargs)
+  got = run(cfg)
+  want = run(dataclasses.replace(cfg, persistent=False))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+  assert interpret_pallas_call.get_races().races_found is False
+
+
 # head_dim -> configs: every option, and the largest tiles that fit, at least once.
 _LOWERED_VARIANTS = [
     (64, {"fwd": _K(64, 256, stages=3), "dq": _K(64, 128, stages=3), "dkv": _K(128, 64, 3)}),
@@ -188,6 +243,10 @@ _LOWERED_VARIANTS = [
     (128, {"fwd": _K(64, 128, fold_scale=True, read_only_store_wait=True)}),
     (128, {"dkv": _K(64, 64, fused_dq=True)}),
     (64, {"dkv": _K(128, 64, fused_dq=True)}),
+    (128, {"fwd": _K(64, 128, persistent=True)}),
+    (64, {"fwd": _K(64, 128, stages=3, overlap_qk=True, fold_scale=True, reverse_q_tiles=True,
+                    grid_order=("heads", "batch", "tiles"), persistent=True)}),
+    (256, {"fwd": _K(64, 64, persistent=True)}),  # the output through the q tile
 ]
 
 
@@ -209,6 +268,18 @@ def test_variant_kernels_lower_for_cuda(head_dim, configs):
   fused_dq = "dkv" in configs and configs["dkv"].fused_dq
   # forward, dQ, dK/dV; or forward and dK/dV making dQ
   assert lowered.as_text().count("mosaic_gpu_v2") >= (2 if fused_dq else 3)
+
+
+def test_persistent_output_tile_where_it_fits():
+  """A persistent forward stores its output through a tile of its own at head_dim 64 and 128
+  (192 KiB at 128), through the q tile at 256 (256 KiB would not fit)."""
+  from pallas_attn.mosaic_gpu import common, fwd
+  assert fwd._separate_output(_K(64, 128, persistent=True), 128, jnp.bfloat16)
+  assert fwd._separate_output(_K(64, 128, stages=3, persistent=True), 64, jnp.bfloat16)
+  assert not fwd._separate_output(_K(64, 64, persistent=True), 256, jnp.bfloat16)
+  assert not fwd._separate_output(_K(64, 128), 128, jnp.bfloat16)
+  scratch = fwd.scratch_types(_K(64, 128, persistent=True), 128, jnp.bfloat16, interpret=False)
+  assert common.smem_bytes(scratch) <= config_lib.SMEM_BYTES
 
 
 @pytest.mark.parametrize("head_dim,pass_,cfg", [(128, "dq", _K(64, 128, stages=3)),
@@ -348,6 +419,10 @@ _GPU_VARIANTS = {
     "overlap_qk_3stages": {"fwd": _K(64, 128, stages=3, overlap_qk=True)},
     "overlap_qk_kv64_no_ping_pong": {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)},
     "fused_dq": {"dkv": _K(64, 64, fused_dq=True)},
+    "persistent": {"fwd": _K(64, 128, persistent=True)},
+    "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,
+                                         grid_order=("heads", "batch", "tiles"),
+                                         persistent=True)},
 }
 
 
@@ -362,3 +437,53 @@ def test_gpu_variants_match_reference(variant, case, seed):
   with kernel_table(case.head_dim, _GPU_VARIANTS[variant]):
     _poison_allocator(64 << 20)
     cases.check_case(case, "mosaic_gpu", seed=seed)
+
+
+# Persistent forwards with many more (batch, head, q tile) items than the H200's 132 CTAs, so
+# every CTA walks several (the variant cases above have fewer items than SMs): name -> (batch,
+# seq, heads_q, heads_kv, head_dim, causal, q_lengths, kv_lengths, config).
+_PERSISTENT_GPU = {
+    "b4_s4096_h16_d128": (4, 4096, 16, 16, 128, False, None, None, _K(64, 128, persistent=True)),
+    "b4_s4096_h16_d128_causal_heavy_first": (
+        4, 4096, 16, 16, 128, True, None, None,
+        _K(64, 128, reverse_q_tiles=True, grid_order=("heads", "batch", "tiles"),
+           persistent=True)),
+    "b16_s1024_h16_d128": (16, 1024, 16, 16, 128, False, None, None,
+                           _K(64, 128, persistent=True)),
+    "b3_s1000_gqa4_d64_causal_lengths": (3, 1000, 8, 2, 64, True, [1000, 617, 5],
+                                         [1000, 555, 0], _K(64, 128, persistent=True)),
+    "b2_s2000_h8_d256_causal": (2, 2000, 8, 8, 256, True, None, None,
+                                _K(64, 64, persistent=True)),
+}
+
+
+@gpu
+@pytest.mark.parametrize("name", list(_PERSISTENT_GPU))
+def test_gpu_persistent_forward_many_items(name, seed):
+  """Against the default (one CTA per tile) kernel, which computes each tile the same way, and,
+  without lengths, against the portable path in float32."""
+  batch, seq, heads_q, heads_kv, head_dim, causal, q_lengths, kv_lengths, cfg = (
+      _PERSISTENT_GPU[name])
+  keys = jax.random.split(jax.random.key(seed), 3)
+  q = jax.random.normal(keys[0], (batch, seq, heads_q, head_dim), jnp.bfloat16)
+  k, v = (jax.random.normal(key, (batch, seq, heads_kv, head_dim), jnp.bfloat16)
+          for key in keys[1:])
+  as_lengths = lambda x: None if x is None else jnp.array(x, jnp.int32)
+  q_lengths, kv_lengths = as_lengths(q_lengths), as_lengths(kv_lengths)
+
+  def run(implementation, *args):
+    return pallas_attn.attention(*args, is_causal=causal, implementation=implementation,
+                                 query_seq_lengths=q_lengths, key_value_seq_lengths=kv_lengths,
+                                 return_residual=True)
+
+  _poison_allocator(1 << 30)
+  with kernel_table(head_dim, {"fwd": cfg}):
+    out, lse = jax.block_until_ready(run("mosaic_gpu", q, k, v))
+  want_out, want_lse = run("mosaic_gpu", q, k, v)
+  assert np.isfinite(np.asarray(out, np.float32)).all()
+  np.testing.assert_allclose(np.asarray(lse), np.asarray(want_lse), rtol=1e-5, atol=1e-5)
+  assert cases.rel_err(out, want_out) < 1e-3
+  if q_lengths is None and kv_lengths is None:
+    ref_out, ref_lse = run("blocked_jax", *(x.astype(jnp.float32) for x in (q, k, v)))
+    assert cases.rel_err(lse, ref_lse) < 1e-4
+    assert cases.rel_err(out, ref_out) < 1e-2

@@ -180,14 +180,33 @@ def masked_loops(lo, full_lo, full_hi, hi, step, carry):
   return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
-def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free):
+def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free, start=None):
   """The producer warpgroup's loop over a ring of `stages` shared-memory slots.
 
   Step i (0 <= i < num_steps) goes to slot i % stages; before reusing a slot the producer waits
   until the consumers released it. Afterwards it waits for the consumers' last releases, so every
   barrier phase is observed by every waiter (the interpreter requires it, and it keeps the CTA
   alive until the last reads of shared memory are done).
+
+  `start` (a persistent kernel, whose ring runs on across work items): the ring's running count
+  before these steps. Step i then goes to slot (start + i) % stages, waiting for it when
+  start + i >= stages; there is no drain (`drain_ring` once, after the last item), and the
+  function returns start + num_steps.
   """
+  if start is not None:
+    def step_on(i, carry):
+      count = start + i
+      slot = lax.rem(count, stages)
+
+      @pl.when(count >= stages)
+      def _():
+        wait_slot_free(slot)
+
+      issue_copies(i, slot)
+      return carry
+
+    lax.fori_loop(0, num_steps, step_on, None)
+    return start + num_steps
 
   def step(i, carry):
     slot = lax.rem(i, stages)
@@ -200,6 +219,11 @@ def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free):
     return carry
 
   lax.fori_loop(0, num_steps, step, None)
+  drain_ring(num_steps, stages, wait_slot_free)
+
+
+def drain_ring(num_steps, stages: int, wait_slot_free):
+  """Wait for the consumers' releases of the last `stages` of `num_steps` ring steps."""
 
   def drain(i, carry):
     wait_slot_free(lax.rem(i, stages))
@@ -208,12 +232,10 @@ def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free):
   lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
 
 
-def produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, batch, kv_head,
-               block_of, num_blocks, block_kv: int, stages: int):
-  """The producer warpgroup of the forward and dQ kernels: key blocks block_of(i),
-  0 <= i < num_blocks, of K and V ([batch, seq, heads_kv, head_dim]) into the ring, each slot's K
-  and V completing on their own barriers."""
-  plgpu.set_max_registers(40, action="decrease")
+def kv_copies(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, batch, kv_head,
+              block_of, block_kv: int):
+  """(issue_copies, wait_slot_free) of `produce_ring` for key blocks block_of(i) of K and V
+  ([batch, seq, heads_kv, head_dim]), each slot's K and V completing on their own barriers."""
 
   def issue(i, slot):
     rows = (batch, pl.ds(block_of(i) * block_kv, block_kv), kv_head)
@@ -224,6 +246,18 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, 
     plgpu.barrier_wait(k_free.at[slot])
     plgpu.barrier_wait(v_free.at[slot])
 
+  return issue, wait_free
+
+
+def produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, batch, kv_head,
+               block_of, num_blocks, block_kv: int, stages: int):
+  """The producer warpgroup of the forward and dQ kernels: key blocks block_of(i),
+  0 <= i < num_blocks, of K and V ([batch, seq, heads_kv, head_dim]) into the ring, each slot's K
+  and V completing on their own barriers."""
+  plgpu.set_max_registers(40, action="decrease")
+  issue, wait_free = kv_copies(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
+                               batch=batch, kv_head=kv_head, block_of=block_of,
+                               block_kv=block_kv)
   produce_ring(num_blocks, stages, issue, wait_free)
 
 

@@ -79,6 +79,17 @@ class KernelConfig:
   # TMA reduce-add. Costs 2 * block_q * head_dim * 4 + 2 * block_kv * block_q * 2 bytes of shared
   # memory and a float32 dQ pass (zero, then scale and cast) outside the kernel.
   fused_dq: bool = False
+  # Forward only: a persistent grid. One CTA per SM (NUM_SMS; a few in the interpreter) walks
+  # the (batch, head, query tile) work items in `grid_order` (fastest axis first), CTA c taking
+  # items c, c + #CTAs, ... (a static schedule; with `reverse_q_tiles` under a causal mask and
+  # the tiles axis last, the heaviest tiles go first). What a CTA launch paid once per tile it
+  # pays once per SM: the K/V ring runs on across tiles (its slot counter carries over, so the
+  # next tile's first blocks load under this tile's last ones), each compute warpgroup loads its
+  # next q tile right after its last QK^T of this one, and the output goes through its own
+  # shared-memory tile (when it fits the 227 KiB: not at head_dim 256, where the output reuses
+  # the q tile and the next q waits for the store to read it). A field of this frozen dataclass
+  # like the others, so it keys jax's caches and the tuner can vary it.
+  persistent: bool = False
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_kv % 64 or not (self.block_q and self.block_kv):
@@ -103,6 +114,11 @@ class KernelConfig:
     sizes = {"heads": heads, "tiles": tiles, "batch": batch}
     names = tuple(tile_axis if axis == "tiles" else axis for axis in self.grid_order)
     return tuple(sizes[axis] for axis in self.grid_order), names
+
+
+# SMs of an H100 / H200 SXM: the CTAs of a persistent forward (`KernelConfig.persistent`) when no
+# GPU is present to ask (lowering for CUDA on a CPU); split_kv sizes its waves with it too.
+NUM_SMS = 132
 
 
 # (head_dim, pass) -> the tiles the kernels use. Forward: the largest key block whose K/V ring

@@ -23,13 +23,18 @@ take turns at the tensor cores, FlashAttention-3), `overlap_qk` (each warpgroup 
 softmax while its tile j - 1 P V is on the tensor cores), `reverse_q_tiles` (the CTA at grid
 index i owns the i-th query tile from the end: causal CTAs with the most keys start first) and
 `grid_order` (launch order), `fold_scale` (scale * log2(e) folded into exp2's fused multiply-add
-on unmodified, unmasked tiles) and `read_only_store_wait` (the epilogue waits for its TMA stores
-to read shared memory only).
+on unmodified, unmasked tiles), `read_only_store_wait` (the epilogue waits for its TMA stores
+to read shared memory only) and `persistent` (one CTA per SM walks a static share of the
+(batch, head, query tile) items: `_persistent`; every feature above works there, each item's
+walk being the one-item CTA's, with the ring's slots and the q loads carried across items).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -45,51 +50,121 @@ from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import mods as mods_lib
 
 
+# The persistent grid's one axis (`KernelConfig.persistent`).
+_SM_AXIS = "sm"
+# CTAs of a persistent forward in the interpreter: few, so that each walks several work items (of
+# different batches and heads) and the tests stay fast; 3 divides few grids, so some CTAs get one
+# item fewer.
+INTERPRET_CTAS = 3
+
+
+def num_sms() -> int:
+  """The SMs of the first GPU (a persistent forward's CTAs); config.NUM_SMS (H100 / H200 SXM)
+  without one (lowering for CUDA on a CPU)."""
+  try:
+    return jax.devices("gpu")[0].core_count
+  except (RuntimeError, AttributeError, IndexError):
+    return config_lib.NUM_SMS
+
+
+class _Work(NamedTuple):
+  """One (batch, head, query tile) work item of a CTA and the key blocks it needs."""
+  batch: Any
+  head: Any
+  kv_head: Any
+  q_length: Any
+  kv_length: Any
+  cta_start: Any  # first query row of the tile (2 * block_q rows)
+  cta_lo: Any  # key blocks [cta_lo, cta_hi): the union of the two warpgroups' ranges
+  cta_hi: Any
+  cta_list: block_table.CtaList | None  # segment ids: the block table's list instead
+
+  def num_blocks(self):
+    """Ring slots this item takes."""
+    return self.cta_hi - self.cta_lo if self.cta_list is None else self.cta_list.count
+
+  def block_of(self, i):
+    """The key block of the item's i-th ring slot."""
+    return self.cta_lo + i if self.cta_list is None else self.cta_list.block(i)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Schedule:
+  """The persistent grid's static schedule: `num_ctas` CTAs, CTA c takes work items c,
+  c + num_ctas, ... of the (batch, head, query tile) items numbered in `order` (fastest axis
+  first, `KernelConfig.grid_order`'s names)."""
+  sizes: tuple[tuple[str, int], ...]  # (axis, size) in `order`
+  num_ctas: int
+
+  @property
+  def total(self) -> int:
+    return math.prod(size for _, size in self.sizes)
+
+  def count(self, cta):
+    """Items of CTA `cta` (at least 1: there are at most as many CTAs as items)."""
+    return lax.div(self.total - 1 - cta, self.num_ctas) + 1
+
+  def item(self, cta, step) -> dict:
+    """{axis: index} of CTA `cta`'s item number `step`."""
+    index, coords = step * self.num_ctas + cta, {}
+    for axis, size in self.sizes:
+      coords[axis] = lax.rem(index, size)
+      index = lax.div(index, size)
+    return coords
+
+
 def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, out_ref, lse_ref,
-            qo_smem, k_smem, v_smem, lse_smem, p_staging, q_full, k_full, v_full, k_free, v_free,
-            schedule, *,
+            qo_smem, k_smem, v_smem, lse_smem, o_smem, p_staging, q_full, k_full, v_full, k_free,
+            v_free, schedule, *,
             spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-            num_q_tiles: int, num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods):
+            num_q_tiles: int, num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods,
+            work_schedule: _Schedule | None = None):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("heads")
-  wg = lax.axis_index("wg")
-  kv_head = lax.div(head, groups)
-  q_length = q_len_ref[batch]
-  kv_length = kv_len_ref[batch]
 
-  # The key blocks this CTA needs: the union of its two warpgroups' ranges, or its list in the
-  # block table (segment ids).
-  q_tile = common.tile_index("q_tiles", num_q_tiles, cfg.reverse_q_tiles)
-  cta_start = q_tile * (config_lib.COMPUTE_WARPGROUPS * block_q)
-  cta_list = None
-  if table_refs is None:
-    cta_lo, cta_hi = mask_lib.kv_block_range(
-        spec, cta_start, config_lib.COMPUTE_WARPGROUPS * block_q, block_kv, num_kv_blocks,
-        kv_length)
-    cta_hi = jnp.where(cta_start >= q_length, cta_lo, cta_hi)  # every row is padding
-  else:
-    cta_list = block_table.CtaList.read(table_refs, batch=batch, head=head, tile=q_tile)
-
-  @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
-  def _producer():
-    if cta_list is None:
-      block_of, num_blocks = (lambda i: cta_lo + i), cta_hi - cta_lo
+  def work_item(batch, head, q_tile_of) -> _Work:
+    """The key blocks of query tile q_tile_of() of (batch, head): the union of its two
+    warpgroups' ranges, or its list in the block table (segment ids)."""
+    kv_head = lax.div(head, groups)
+    q_length = q_len_ref[batch]
+    kv_length = kv_len_ref[batch]
+    q_tile = q_tile_of()
+    cta_start = q_tile * (config_lib.COMPUTE_WARPGROUPS * block_q)
+    cta_lo = cta_hi = cta_list = None
+    if table_refs is None:
+      cta_lo, cta_hi = mask_lib.kv_block_range(
+          spec, cta_start, config_lib.COMPUTE_WARPGROUPS * block_q, block_kv, num_kv_blocks,
+          kv_length)
+      cta_hi = jnp.where(cta_start >= q_length, cta_lo, cta_hi)  # every row is padding
     else:
-      block_of, num_blocks = cta_list.block, cta_list.count
-    common.produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
-                      batch=batch, kv_head=kv_head, block_of=block_of,
-                      num_blocks=num_blocks, block_kv=block_kv, stages=stages)
+      cta_list = block_table.CtaList.read(table_refs, batch=batch, head=head, tile=q_tile)
+    return _Work(batch, head, kv_head, q_length, kv_length, cta_start, cta_lo, cta_hi, cta_list)
 
-  @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
-  def _consumer():
-    plgpu.set_max_registers(232, action="increase")
-    q_start = cta_start + wg * block_q
-    q_smem = qo_smem.at[wg]
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], q_smem,
+  def q_copy(wg, batch, head, q_start):
+    """This warpgroup's q tile from global memory into its half of `qo_smem`."""
+    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], qo_smem.at[wg],
                             q_full.at[wg])
+
+  def consume(wg, work: _Work, slot_base=None, next_q=None):
+    """Compute warpgroup wg's rows of one work item, from loading its q (non-persistent) to
+    storing its output and lse.
+
+    Persistent (`slot_base` given: the ring's running count before this item): q was loaded
+    before; `next_q()` loads the next item's q into this warpgroup's q tile, which happens right
+    after the item's last QK^T when the output has its own shared memory, else once the output
+    store has read the q tile; the store is waited for before the output buffers are rewritten,
+    not here."""
+    persistent = slot_base is not None
+    batch, head, kv_length, q_length = work.batch, work.head, work.kv_length, work.q_length
+    cta_lo, cta_hi, cta_list = work.cta_lo, work.cta_hi, work.cta_list
+    q_start = work.cta_start + wg * block_q
+    q_smem = qo_smem.at[wg]
+    out_smem = o_smem[0].at[wg] if o_smem else q_smem
+    if not persistent:
+      q_copy(wg, batch, head, q_start)
+    # The next item's q, as soon as this one's is free (after the last QK^T of a range walk).
+    q_after_last_qk = persistent and bool(o_smem) and cta_list is None
 
     if cta_list is None:
       lo, hi = mask_lib.kv_block_range(spec, q_start, block_q, block_kv, num_kv_blocks,
@@ -99,7 +174,10 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       hi = jnp.clip(hi, lo, cta_hi)
       full_lo, full_hi = mask_lib.kv_full_range(spec, q_start, block_q, block_kv, lo, hi,
                                                 kv_length)
-      slot_of = lambda j: lax.rem(j - cta_lo, stages)
+      if persistent:
+        slot_of = lambda j: lax.rem(slot_base + (j - cta_lo), stages)
+      else:
+        slot_of = lambda j: lax.rem(j - cta_lo, stages)
     scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch, head=head,
                                         row_start=q_start, rows=block_q, kv_length=kv_length)
     # cfg.fold_scale applies where an unmasked tile's base-2 logits are q.k^T * scale * log2(e)
@@ -131,6 +209,8 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv),  # [block_q, block_kv]
                         while_running=meet)
       plgpu.barrier_arrive(k_free.at[slot])
+      if q_after_last_qk:  # q_smem is read for the last time: the next q may come in
+        pl.when(j == hi - 1)(next_q)
       if fold_scale and not masked:  # the raw tile: online_softmax scales its max instead
         return s, cols, scale * common.LOG2E
       s, _ = scores(s, cols, masked=masked)
@@ -215,8 +295,13 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     )
     pl.when(wg == 1)(meet)  # offsets the two warpgroups by one meeting
     if cta_list is not None:  # both warpgroups walk the whole list: two meetings per entry
-      carry = cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(i, stages), release=release,
-                             step=step)
+      if persistent:
+        list_slot_of = lambda i: lax.rem(slot_base + i, stages)
+      else:
+        list_slot_of = lambda i: lax.rem(i, stages)
+      carry = cta_list.visit(wg, carry, slot_of=list_slot_of, release=release, step=step)
+      if persistent and o_smem:  # (which entry is this warpgroup's last QK^T is not known)
+        next_q()
     else:
       release_block = lambda j, c: release(slot_of(j), c)
       lax.fori_loop(cta_lo, lo, release_block, None)
@@ -233,6 +318,8 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
         carry = common.masked_loops(lo, full_lo, full_hi, hi,
                                     lambda j, c, masked: step(slot_of(j), j, c, masked=masked),
                                     carry)
+      if q_after_last_qk:  # no QK^T at all (rows past the length, or no visible key)
+        pl.when(hi <= lo)(next_q)
       lax.fori_loop(hi, cta_hi, release_block, None)
     pl.when(wg == 0)(meet)
     acc, m_i, l_i = carry
@@ -244,15 +331,104 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     # Natural-log lse; +inf marks rows that saw no key (see numerics).
     lse = jnp.where(no_keys | (rows >= q_length), numerics.EMPTY_LSE,
                     (m_i + jnp.log2(safe_l)) * common.LN2)
-    q_smem[...] = out.astype(dtype)
+    if persistent:  # the previous item's stores have read the output buffers
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    out_smem[...] = out.astype(dtype)
     lse_smem.at[wg][...] = lse
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
+    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
     plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-    if cfg.read_only_store_wait:  # the stores have read q_smem / lse_smem: the CTA may retire
+    if persistent:
+      if not o_smem:  # the output went through the q tile: the next q waits for the store
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        next_q()
+    elif cfg.read_only_store_wait:  # the stores have read q_smem / lse_smem: the CTA may retire
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     else:
       plgpu.wait_smem_to_gmem(0)
+
+  if work_schedule is not None:
+    _persistent(work_schedule, work_item, q_copy, consume, cfg=cfg, num_q_tiles=num_q_tiles,
+                produce=functools.partial(common.kv_copies, k_ref, v_ref, k_smem, v_smem, k_full,
+                                          v_full, k_free, v_free, block_kv=block_kv))
+    return
+
+  batch = lax.axis_index("batch")
+  head = lax.axis_index("heads")
+  wg = lax.axis_index("wg")
+  work = work_item(batch, head,
+                   lambda: common.tile_index("q_tiles", num_q_tiles, cfg.reverse_q_tiles))
+
+  @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
+  def _producer():
+    common.produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
+                      batch=batch, kv_head=work.kv_head, block_of=work.block_of,
+                      num_blocks=work.num_blocks(), block_kv=block_kv, stages=stages)
+
+  @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+    consume(wg, work)
+
+
+def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, *, produce,
+                cfg: config_lib.KernelConfig, num_q_tiles: int):
+  """The persistent grid's CTA (`cfg.persistent`): every warpgroup walks the CTA's work items
+  (`work_schedule`) in the same order. The producer keeps one K/V ring across them (slot = its
+  running count % stages, drained once at the end); each compute warpgroup carries the same
+  count to find the slots, loads its first q before the walk and each next one from `consume`,
+  and waits for its last output store at the end. The ping-pong meetings pair up within each
+  item exactly as in a one-item CTA (warpgroup 1's offset meeting first, warpgroup 0's closing
+  one last)."""
+  cta = lax.axis_index(_SM_AXIS)
+  wg = lax.axis_index("wg")
+  num_items = work_schedule.count(cta)
+
+  def coords(step):
+    """(batch, head, query tile) of this CTA's item `step`."""
+    c = work_schedule.item(cta, step)
+    q_tile = c["q_tiles"]
+    if cfg.reverse_q_tiles:
+      q_tile = num_q_tiles - 1 - q_tile
+    return c["batch"], c["heads"], q_tile
+
+  def item(step) -> _Work:
+    batch, head, q_tile = coords(step)
+    return work_item(batch, head, lambda: q_tile)
+
+  @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
+  def _producer():
+    plgpu.set_max_registers(40, action="decrease")
+
+    def produce_item(step, count):
+      work = item(step)
+      issue, wait_free = produce(batch=work.batch, kv_head=work.kv_head,
+                                 block_of=work.block_of)
+      return common.produce_ring(work.num_blocks(), cfg.stages, issue, wait_free, start=count)
+
+    total = lax.fori_loop(0, num_items, produce_item, jnp.int32(0))
+    _, wait_free = produce(batch=None, kv_head=None, block_of=None)  # (waits need no item)
+    common.drain_ring(total, cfg.stages, wait_free)
+
+  @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
+  def _consumer():
+    plgpu.set_max_registers(232, action="increase")
+
+    def load_q(step):
+      batch, head, q_tile = coords(step)
+      q_copy(wg, batch, head, q_tile * (config_lib.COMPUTE_WARPGROUPS * cfg.block_q)
+             + wg * cfg.block_q)
+
+    load_q(0)
+
+    def consume_item(step, slot_base):
+      work = item(step)
+      next_q = lambda: pl.when(step + 1 < num_items)(lambda: load_q(step + 1))
+      consume(wg, work, slot_base=slot_base, next_q=next_q)
+      return slot_base + work.num_blocks()
+
+    lax.fori_loop(0, num_items, consume_item, jnp.int32(0))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.read_only_store_wait)
 
 
 def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
@@ -270,14 +446,20 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   num_q_tiles = q_len // (config_lib.COMPUTE_WARPGROUPS * cfg.block_q)
+  grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
+  work_schedule = None
+  if cfg.persistent:  # one CTA per SM walks the items of that grid (see `_Schedule`)
+    items = tuple(zip(grid_names, grid))
+    num_ctas = INTERPRET_CTAS if interpret else num_sms()
+    work_schedule = _Schedule(items, min(num_ctas, math.prod(grid)))
+    grid, grid_names = (work_schedule.num_ctas,), (_SM_AXIS,)
   kernel = functools.partial(_kernel, spec=spec, scale=scale, cfg=cfg, num_q_tiles=num_q_tiles,
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
-                             mods=mods)
+                             mods=mods, work_schedule=work_schedule)
   # (The row max and row sum of the online softmax are its reductions.)
   params = common.compiler_params_within_smem(
       scratch_types(cfg, head_dim, q.dtype, interpret=False), f"the forward kernel with {cfg}",
       reduces=True)
-  grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
   return plgpu.kernel(
       kernel,
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
@@ -292,15 +474,32 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
   )(q, k, v, q_lengths, kv_lengths, mod_arrays, table)
 
 
+def _separate_output(cfg: config_lib.KernelConfig, head_dim: int, dtype) -> bool:
+  """Whether a persistent forward gets an output tile of its own in shared memory (when it fits
+  beside the rest), so the next q can load while this output is stored."""
+  if not cfg.persistent:
+    return False
+  with_out = scratch_types(dataclasses.replace(cfg, persistent=False), head_dim, dtype, False)
+  with_out.append(_out_tile(cfg, head_dim, dtype))
+  return common.smem_bytes(with_out) <= config_lib.SMEM_BYTES
+
+
+def _out_tile(cfg: config_lib.KernelConfig, head_dim: int, dtype):
+  return plgpu.SMEM((config_lib.COMPUTE_WARPGROUPS, cfg.block_q, head_dim), dtype,
+                    transforms=common.TILE_TRANSFORMS)
+
+
 def scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
   """The forward kernel's shared memory and barriers (the order `_kernel` takes them in)."""
   wgs = config_lib.COMPUTE_WARPGROUPS
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   return [
-      tile(wgs, cfg.block_q, head_dim),  # q in, then o out, per compute warpgroup
+      tile(wgs, cfg.block_q, head_dim),  # q in, then o out (unless the next), per warpgroup
       tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
       tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),  # lse out
+      # o out (persistent, when it fits: `_separate_output`)
+      (_out_tile(cfg, head_dim, dtype),) if _separate_output(cfg, head_dim, dtype) else (),
       common.staging_scratch(interpret, (wgs, cfg.block_q, cfg.block_kv), dtype),
       plgpu.Barrier(num_barriers=wgs),  # q loaded
       plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled

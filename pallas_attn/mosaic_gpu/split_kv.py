@@ -45,10 +45,11 @@ import jax.numpy as jnp
 
 from pallas_attn import mask as mask_lib
 from pallas_attn import numerics
+from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import gqa_pack
 
 # SMs of an H100 / H200 SXM (the target of the table in `config`).
-NUM_SMS = 132
+NUM_SMS = config_lib.NUM_SMS
 # Split until the forward grid has this many waves of CTAs. An SM runs one forward CTA at a
 # time (160 KiB of shared memory at head_dim 128; setmaxnreg gives the warpgroups the whole
 # register file), so a grid below one wave leaves SMs idle; the second wave evens out the SMs'
