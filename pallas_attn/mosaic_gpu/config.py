@@ -132,7 +132,10 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     (64, "dq"): KernelConfig(block_q=64, block_kv=64),
     (128, "dq"): KernelConfig(block_q=64, block_kv=64),
     (256, "dq"): KernelConfig(block_q=64, block_kv=64, stages=1),
-    (64, "dkv"): KernelConfig(block_q=64, block_kv=64),
+    # head_dim 64: dQ from the dK/dV kernel, 128-row query blocks (H200, b4 s4096 h32 d64,
+    # fwd+bwd: 1.09x and 1.10x the separate dQ kernel in two runs; benchmarks/NOTES.md session 5).
+    # At head_dim 128 the fused kernel spills (dK, dV and the dQ part) and is 0.93-0.98x: not used.
+    (64, "dkv"): KernelConfig(block_q=128, block_kv=64, fused_dq=True),
     (128, "dkv"): KernelConfig(block_q=64, block_kv=64),
     (256, "dkv"): KernelConfig(block_q=64, block_kv=64, stages=1, split_dkv=True),
 }
