@@ -109,7 +109,7 @@ def ledger_budget(total: int | None, processes: int) -> int:
   context (~0.6 GiB) per worker; 64 GiB when the card's size is unknown."""
   if not total:
     return 64 * 2 ** 30
-  return max(2 ** 30, int(total * 0.85) - processes * 0.6 * 2 ** 30)
+  return max(2 ** 30, int(total * 0.85 - processes * 0.6 * 2 ** 30))  # an int: a worker flag
 
 
 @contextlib.contextmanager

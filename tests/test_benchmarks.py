@@ -571,3 +571,15 @@ def test_compile_workers_take_device_compiles_that_fit_the_ledger(tmp_path):
   assert built == ["small", "big"] and ledger.held() == 0
   assert sorted(p.name for p in (tmp_path / "done").iterdir()) == sorted(
       precompile.job_key(label) for label in ("big", "small"))
+
+
+def test_device_phase_worker_command_parses():
+  """The device-phase worker's flags parse (an H200-sized card once gave a float ledger size,
+  which every worker rejected at start, so the autotuning compiles all fell to the timing
+  process)."""
+  budget = precompile.ledger_budget(150_754_820_096, 15)
+  assert isinstance(budget, int) and 2 ** 30 <= budget < 150_754_820_096
+  cmd = precompile._worker_cmd(["--shapes", "tiny"], pathlib.Path("/tmp/w"), "/tmp/c", 12.5,
+                               "/tmp/e", phase="device", ledger_bytes=budget)
+  args = run.parse_args(cmd[cmd.index("benchmarks.run") + 1:])
+  assert args.compile_ledger_bytes == budget and args.compile_phase == "device"
