@@ -193,25 +193,12 @@ def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free, start=Non
   start + i >= stages; there is no drain (`drain_ring` once, after the last item), and the
   function returns start + num_steps.
   """
-  if start is not None:
-    def step_on(i, carry):
-      count = start + i
-      slot = lax.rem(count, stages)
-
-      @pl.when(count >= stages)
-      def _():
-        wait_slot_free(slot)
-
-      issue_copies(i, slot)
-      return carry
-
-    lax.fori_loop(0, num_steps, step_on, None)
-    return start + num_steps
 
   def step(i, carry):
-    slot = lax.rem(i, stages)
+    count = i if start is None else start + i  # (no add in the one-item kernels' jaxpr)
+    slot = lax.rem(count, stages)
 
-    @pl.when(i >= stages)
+    @pl.when(count >= stages)
     def _():
       wait_slot_free(slot)
 
@@ -219,6 +206,8 @@ def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free, start=Non
     return carry
 
   lax.fori_loop(0, num_steps, step, None)
+  if start is not None:
+    return start + num_steps
   drain_ring(num_steps, stages, wait_slot_free)
 
 
