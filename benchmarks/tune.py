@@ -130,6 +130,9 @@ _SCRATCH = {"fwd": fwd.scratch_types, "dq": bwd.dq_scratch_types, "dkv": bwd.dkv
 def why_not(name: str, shape: Shape, dtype) -> str | None:
   """Why variant `name` is not measured at `shape` (None: it is): an invalid or oversized config,
   or the same configs as the default's."""
+  table_dkv = config_lib.kernel_config(shape.head_dim, "dkv")
+  if VARIANTS[name].get("dkv", {}).get("fused_dq") and table_dkv.split_dkv:
+    return f"does not apply: head_dim {shape.head_dim} makes dK and dV in two launches"
   try:
     cfgs = variant_configs(name, shape.head_dim)
   except ValueError as e:

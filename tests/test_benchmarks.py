@@ -349,11 +349,12 @@ def test_tune_variants_are_valid_or_say_why_not():
     shape = shapes.Shape(1, 4096, 4096, 2048 // head_dim, 2048 // head_dim, head_dim, True, "fa")
     for name in tune.VARIANTS:
       why = tune.why_not(name, shape, jnp.bfloat16)
-      assert why is None or why.startswith(("does not fit", "same configs")), (name, why)
+      assert why is None or why.startswith(("does not fit", "same configs", "does not apply")), (
+          name, why)
   d128 = shapes.Shape(4, 4096, 4096, 16, 16, 128, True, "fa")
   for name in ("fwd_kv192", "fwd_kv64_3st", "fwd_overlap_3st", "dq_kv128", "dq_3st", "dkv_q128",
                "reverse_q", "tiles_first", "tiles_last", "fwd_persistent",
-               "fwd_persistent_heavy_first", "fwd_persistent_fold_ro"):
+               "fwd_persistent_heavy_first", "fwd_persistent_fold_ro", "dkv_fused_dq"):
     assert tune.why_not(name, d128, jnp.bfloat16) is None, name
   assert tune.why_not("fwd_kv256", d128, jnp.bfloat16).startswith("does not fit")
 
