@@ -265,7 +265,7 @@ def test_variant_kernels_lower_for_cuda(head_dim, configs):
 
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
       lowering_platforms=("cuda",))
-  fused_dq = "dkv" in configs and configs["dkv"].fused_dq
+  fused_dq = configs.get("dkv", config_lib.kernel_config(head_dim, "dkv")).fused_dq
   # forward, dQ, dK/dV; or forward and dK/dV making dQ
   assert lowered.as_text().count("mosaic_gpu_v2") >= (2 if fused_dq else 3)
 
