@@ -36,8 +36,6 @@ from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import mods as mods_lib
 
 _WGS = config_lib.COMPUTE_WARPGROUPS
-# Columns of dQ per wgmma in the dK/dV kernel's fused dQ (`KernelConfig.fused_dq`).
-_DQ_COLS = 64
 
 
 # ---------------------------------------------------------------------------------------------
@@ -285,16 +283,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
     def add_dq(dst, head, qi):
       """dQ[qi block] += dS K for this warpgroup's keys: dS^T goes through shared memory so the
-      wgmma can read it transposed; the float32 product leaves by a TMA reduce-add. The product
-      is made 64 columns at a time: beside the dK and dV accumulators a whole [64, 128] float32
-      part (64 registers a thread) spilled at head_dim 128."""
+      wgmma can read it transposed; the float32 product leaves by a TMA reduce-add."""
       ds_smem.at[wg][...] = dst
       plgpu.commit_smem()
+      part = common.matmul(ds_smem.at[wg].T, k_smem.at[wg], (block_q, head_dim))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_out
-      for c in range(0, head_dim, _DQ_COLS):
-        cols = pl.ds(c, _DQ_COLS)
-        part = common.matmul(ds_smem.at[wg].T, k_smem.at[wg].at[:, cols], (block_q, _DQ_COLS))
-        dq_out_smem.at[wg].at[:, cols][...] = part
+      dq_out_smem.at[wg][...] = part
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(dq_out_smem.at[wg],
                               dq_dest.at[batch, pl.ds(qi * block_q, block_q), head],
@@ -409,7 +403,8 @@ def dqkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   dQ is accumulated in float32 in a zeroed array the kernel adds into (TMA reduce-add), then
   scaled and cast. The interpreter has no TMA reduction: there every (key tile, warpgroup) writes
   its own partial dQ (zero where it has no visible key) and the partials are summed after, which
-  checks the same products and destinations.
+  checks the same products and destinations. (Those partials take 2 * kv_len / (2 * block_kv)
+  copies of dQ in float32: fine for the interpreter's short tests, not an O(N) path.)
   """
   if not cfg.fused_dq or cfg.split_dkv:
     raise ValueError(f"dqkv needs fused_dq=True and split_dkv=False, got {cfg}")

@@ -166,6 +166,10 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     # The next item's q, as soon as this one's is free (after the last QK^T of a range walk).
     q_after_last_qk = persistent and bool(o_smem) and cta_list is None
 
+    def ring_count(n):
+      """The ring's running count at this item's n-th block (no add in a one-item CTA)."""
+      return slot_base + n if persistent else n
+
     if cta_list is None:
       lo, hi = mask_lib.kv_block_range(spec, q_start, block_q, block_kv, num_kv_blocks,
                                        kv_length)
@@ -174,10 +178,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       hi = jnp.clip(hi, lo, cta_hi)
       full_lo, full_hi = mask_lib.kv_full_range(spec, q_start, block_q, block_kv, lo, hi,
                                                 kv_length)
-      if persistent:
-        slot_of = lambda j: lax.rem(slot_base + (j - cta_lo), stages)
-      else:
-        slot_of = lambda j: lax.rem(j - cta_lo, stages)
+      slot_of = lambda j: lax.rem(ring_count(j - cta_lo), stages)
     scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch, head=head,
                                         row_start=q_start, rows=block_q, kv_length=kv_length)
     # cfg.fold_scale applies where an unmasked tile's base-2 logits are q.k^T * scale * log2(e)
@@ -295,11 +296,8 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     )
     pl.when(wg == 1)(meet)  # offsets the two warpgroups by one meeting
     if cta_list is not None:  # both warpgroups walk the whole list: two meetings per entry
-      if persistent:
-        list_slot_of = lambda i: lax.rem(slot_base + i, stages)
-      else:
-        list_slot_of = lambda i: lax.rem(i, stages)
-      carry = cta_list.visit(wg, carry, slot_of=list_slot_of, release=release, step=step)
+      carry = cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(ring_count(i), stages),
+                             release=release, step=step)
       if persistent and o_smem:  # (which entry is this warpgroup's last QK^T is not known)
         next_q()
     else:

@@ -251,12 +251,12 @@ def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_le
   visibility = functools.partial(_visibility, static, q_lengths=q_lengths,
                                  kv_lengths=kv_lengths, q_len=q.shape[1], kv_len=k.shape[1],
                                  mod_arrays=mod_arrays, element_blocks=element_blocks)
-  fused_dq = static.dkv_cfg.fused_dq
+  fused_dq = static.dkv_cfg.fused_dq  # (then no dQ kernel, no dQ table)
   dq_visibility = None if fused_dq else visibility(static.dq_cfg)
-  dkv_visibility = dq_visibility
-  if fused_dq or (static.dkv_cfg.block_q, static.dkv_cfg.block_kv) != (static.dq_cfg.block_q,
-                                                                       static.dq_cfg.block_kv):
-    dkv_visibility = visibility(static.dkv_cfg)
+  same_tiles = (static.dkv_cfg.block_q, static.dkv_cfg.block_kv) == (static.dq_cfg.block_q,
+                                                                     static.dq_cfg.block_kv)
+  dkv_visibility = (dq_visibility if same_tiles and not fused_dq
+                    else visibility(static.dkv_cfg))
   if dkv_visibility is not None:  # one list per kv head, for its whole query-head group
     dkv_visibility = block_mask.group_union(dkv_visibility, q.shape[2] // k.shape[2])
   common = dict(scale=static.scale, spec=static.spec, interpret=static.interpret,
