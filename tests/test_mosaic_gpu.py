@@ -146,7 +146,7 @@ _VARIANT_CASES = [
     ("fused_dq", cases.get_case("gqa_causal_lengths_113x203")),
     ("fused_dq", cases.get_case("lengths_kv0_113x203")),
     ("fused_dq_q128", cases.get_case("window_l32_r8_203x113")),
-    # head_dim 128: dQ in two 64-column wgmmas.
+    # head_dim 128: a [64, 128] dQ part from two warpgroups per key tile.
     ("fused_dq", cases.get_case("gqa_causal_113x203").replace(head_dim=128)),
     ("persistent", _GQA_203),
     ("persistent", _GQA_CAUSAL_203),
