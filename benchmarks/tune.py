@@ -112,6 +112,12 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_fused_dq": {"dkv": dict(fused_dq=True)},
     "dkv_fused_dq_q128": {"dkv": dict(fused_dq=True, block_q=128)},
     "dkv_fused_dq_1st": {"dkv": dict(fused_dq=True, stages=1)},
+    # h. The fused dQ in column halves (FA3's layout: each warpgroup half of dQ's columns from
+    # both warpgroups' dS^T; head_dim >= 128).
+    "dkv_dq_halves": {"dkv": dict(fused_dq=True, dq_column_halves=True)},
+    "dkv_dq_halves_1st": {"dkv": dict(fused_dq=True, dq_column_halves=True, stages=1)},
+    # The separate dQ kernel again (where the table fuses: head_dim 64).
+    "dkv_separate_dq": {"dkv": dict(fused_dq=False, dq_column_halves=False, block_q=64)},
 }
 
 _DEFAULT = "default"
@@ -133,6 +139,8 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   table_dkv = config_lib.kernel_config(shape.head_dim, "dkv")
   if VARIANTS[name].get("dkv", {}).get("fused_dq") and table_dkv.split_dkv:
     return f"does not apply: head_dim {shape.head_dim} makes dK and dV in two launches"
+  if VARIANTS[name].get("dkv", {}).get("dq_column_halves") and shape.head_dim < 128:
+    return f"does not apply: dQ column halves need head_dim >= 128, not {shape.head_dim}"
   try:
     cfgs = variant_configs(name, shape.head_dim)
   except ValueError as e:

@@ -354,7 +354,8 @@ def test_tune_variants_are_valid_or_say_why_not():
   d128 = shapes.Shape(4, 4096, 4096, 16, 16, 128, True, "fa")
   for name in ("fwd_kv192", "fwd_kv64_3st", "fwd_overlap_3st", "dq_kv128", "dq_3st", "dkv_q128",
                "reverse_q", "tiles_first", "tiles_last", "fwd_persistent",
-               "fwd_persistent_heavy_first", "fwd_persistent_fold_ro", "dkv_fused_dq"):
+               "fwd_persistent_heavy_first", "fwd_persistent_fold_ro", "dkv_fused_dq",
+               "dkv_dq_halves", "dkv_dq_halves_1st"):
     assert tune.why_not(name, d128, jnp.bfloat16) is None, name
   assert tune.why_not("fwd_kv256", d128, jnp.bfloat16).startswith("does not fit")
 

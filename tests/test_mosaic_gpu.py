@@ -112,6 +112,9 @@ _VARIANTS = {
     "fold_scale_overlap_qk": {"fwd": _K(64, 64, stages=3, overlap_qk=True, fold_scale=True)},
     "fused_dq": {"dkv": _K(64, 64, fused_dq=True)},
     "fused_dq_q128": {"dkv": _K(128, 64, fused_dq=True)},
+    "dq_column_halves": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True)},
+    "dq_column_halves_1stage": {"dkv": _K(64, 64, stages=1, fused_dq=True,
+                                          dq_column_halves=True)},
     # The persistent grid (fwd.INTERPRET_CTAS = 3 CTAs in the interpreter, each walking several
     # (batch, head, q tile) items): plain, and heaviest causal tiles first with the overlap.
     "persistent": {"fwd": _K(64, 128, persistent=True)},
@@ -148,6 +151,15 @@ _VARIANT_CASES = [
     ("fused_dq_q128", cases.get_case("window_l32_r8_203x113")),
     # head_dim 128: a [64, 128] dQ part from two warpgroups per key tile.
     ("fused_dq", cases.get_case("gqa_causal_113x203").replace(head_dim=128)),
+    # head_dim 128, each warpgroup a [64, 64] half of dQ from both warpgroups' dS^T: both step
+    # every query block (zeros where their keys see none: causal diagonals, a window, key
+    # lengths, rows with no key), a group of 4 summed per kv head; one stage (the dS^T tiles of
+    # a slot rewritten at the next step).
+    ("dq_column_halves", _CAUSAL_203.replace(head_dim=128)),
+    ("dq_column_halves", cases.get_case("mqa_113x203").replace(head_dim=128)),
+    ("dq_column_halves", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    ("dq_column_halves", cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
+    ("dq_column_halves_1stage", cases.get_case("window_l32_r8_203x113").replace(head_dim=128)),
     ("persistent", _GQA_203),
     ("persistent", _GQA_CAUSAL_203),
     ("persistent", cases.get_case("lengths_kv0_113x203")),  # items with no key at all
@@ -243,6 +255,7 @@ _LOWERED_VARIANTS = [
     (128, {"fwd": _K(64, 128, fold_scale=True, read_only_store_wait=True)}),
     (128, {"dkv": _K(64, 64, fused_dq=True)}),
     (64, {"dkv": _K(128, 64, fused_dq=True)}),
+    (128, {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True)}),
     (128, {"fwd": _K(64, 128, persistent=True)}),
     (64, {"fwd": _K(64, 128, stages=3, overlap_qk=True, fold_scale=True, reverse_q_tiles=True,
                     grid_order=("heads", "batch", "tiles"), persistent=True)}),
@@ -419,6 +432,7 @@ _GPU_VARIANTS = {
     "overlap_qk_3stages": {"fwd": _K(64, 128, stages=3, overlap_qk=True)},
     "overlap_qk_kv64_no_ping_pong": {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)},
     "fused_dq": {"dkv": _K(64, 64, fused_dq=True)},
+    "dq_column_halves": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True)},
     "persistent": {"fwd": _K(64, 128, persistent=True)},
     "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,
                                          grid_order=("heads", "batch", "tiles"),

@@ -149,13 +149,16 @@ class CtaList:
     """The block of entry i (what the producer loads)."""
     return decode(self.table.entries[(*self.index, i)], 0)[0]
 
-  def visit(self, wg, carry, *, slot_of, release, step):
+  def visit(self, wg, carry, *, slot_of, release, step, step_every: bool = False):
     """The loop of compute warpgroup `wg` over the list: entry i fills ring slot `slot_of(i)`;
     SKIP: `release(slot, carry)`; MASKED / FULL: `step(slot, block, carry, masked=...)`. Every
-    branch consumes the entry's ring slot, so the producer and both warpgroups stay in step."""
+    branch consumes the entry's ring slot, so the producer and both warpgroups stay in step.
+    `step_every`: a SKIP entry is a masked step (the warpgroups must meet at every entry)."""
 
     def body(i, carry):
       block, mode = decode(self.table.entries[(*self.index, i)], wg)
+      if step_every:
+        mode = jnp.maximum(mode, MASKED)
       slot = slot_of(i)
       return lax.switch(mode, (lambda c: release(slot, c),
                                lambda c: step(slot, block, c, masked=True),

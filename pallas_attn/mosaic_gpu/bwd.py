@@ -261,6 +261,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       straddles = kv_start + block_kv > kv_length
       full_lo = jnp.where(straddles, hi, full_lo)
       full_hi = jnp.where(straddles, hi, full_hi)
+      if cfg.dq_column_halves:  # both warpgroups step the CTA's whole range (masked outside ours)
+        lo, hi = cta_lo, cta_hi
     key_scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch,
                                             row_start=kv_start, rows=block_kv,
                                             kv_length=kv_length, transposed=True,
@@ -275,24 +277,40 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_wait(delta_full.at[slot])
 
     if dq_acc_ref is not None:
-      ds_smem, dq_out_smem = dq_smem
+      ds_smem, dq_out_smem, *ds_ready = dq_smem
       # Interpreted, each (key tile, warpgroup) writes its own partial dQ (the interpreter has
       # no TMA reduction); compiled, every CTA adds into the one zeroed dQ.
       dq_dest = (dq_acc_ref.at[lax.axis_index("kv_tiles") * _WGS + wg] if dq_partials
                  else dq_acc_ref)
 
-    def add_dq(dst, head, qi):
-      """dQ[qi block] += dS K for this warpgroup's keys: dS^T goes through shared memory so the
-      wgmma can read it transposed; the float32 product leaves by a TMA reduce-add."""
-      ds_smem.at[wg][...] = dst
+    def dk_and_dq(dk, dst, slot, head, qi):
+      """dK += dS^T q and dQ[qi block] += dS K. dS^T goes to shared memory, where the dK wgmma
+      reads it (so no register operand stays live across that wgmma) and the dQ wgmma reads it
+      transposed; the float32 dQ product leaves by a TMA reduce-add. Plain fused_dq: this
+      warpgroup's keys, every column. dq_column_halves: both warpgroups' keys (their dS^T tiles
+      meet at `ds_ready`), this warpgroup's half of the columns. (Ring slot `slot`'s dS^T tiles
+      are rewritten only after both warpgroups released the slot, so after both read them.)"""
+      rows_out = (batch, pl.ds(qi * block_q, block_q), head)
+      own_ds = ds_smem.at[slot, wg] if cfg.dq_column_halves else ds_smem.at[wg]
+      own_ds[...] = dst
       plgpu.commit_smem()
-      part = common.matmul(ds_smem.at[wg].T, k_smem.at[wg], (block_q, head_dim))
+      dk = common.matmul_acc(dk, own_ds, q_smem.at[slot], interpret=dq_partials)
+      if cfg.dq_column_halves:
+        plgpu.barrier_arrive(ds_ready[0].at[slot])
+        plgpu.barrier_wait(ds_ready[0].at[slot])
+        half = pl.ds(wg * (head_dim // 2), head_dim // 2)
+        part = common.matmul_sum(
+            [(ds_smem.at[slot, w].T, k_smem.at[w, :, half]) for w in range(_WGS)],
+            (block_q, head_dim // 2))
+        rows_out = (*rows_out, half)
+      else:
+        part = common.matmul(own_ds.T, k_smem.at[wg], (block_q, head_dim))
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_out
       dq_out_smem.at[wg][...] = part
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_out_smem.at[wg],
-                              dq_dest.at[batch, pl.ds(qi * block_q, block_q), head],
+      plgpu.copy_smem_to_gmem(dq_out_smem.at[wg], dq_dest.at[rows_out],
                               reduction_op=None if dq_partials else "add")
+      return dk
 
     def one_head(g, carry):
       # (The query head only matters to ALiBi, dropout and the user's functions: don't compute
@@ -325,15 +343,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
                                     chain)
           dst = dst.astype(dtype)
-          acc["dk"] = common.matmul_acc(acc["dk"], dst, q_smem.at[slot], stage)
-          if dq_acc_ref is not None:
-            add_dq(dst, kv_head * groups + g, qi)
+          if dq_acc_ref is None:
+            acc["dk"] = common.matmul_acc(acc["dk"], dst, q_smem.at[slot], stage)
+          else:
+            acc["dk"] = dk_and_dq(acc["dk"], dst, slot, kv_head * groups + g, qi)
         plgpu.barrier_arrive(slot_free.at[slot])
         return acc
 
       if cta_list is not None:  # entry i of this head is ring step g * per_head + i
         return cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(g * per_head + i, stages),
-                              release=release, step=step)
+                              release=release, step=step, step_every=cfg.dq_column_halves)
       step_base = g * per_head - cta_lo  # ring step of query block qi is step_base + qi
       slot_of = lambda qi: lax.rem(step_base + qi, stages)
       release_block = lambda qi, c: release(slot_of(qi), c)
@@ -408,6 +427,9 @@ def dqkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   """
   if not cfg.fused_dq or cfg.split_dkv:
     raise ValueError(f"dqkv needs fused_dq=True and split_dkv=False, got {cfg}")
+  if cfg.dq_column_halves and q.shape[-1] < 128:
+    raise ValueError(f"dq_column_halves needs head_dim >= 128 (each half a whole 64-column "
+                     f"tile of K), got head_dim {q.shape[-1]}")
   num_partials = k.shape[1] // (_WGS * cfg.block_kv) * _WGS if interpret else None
   dq_acc = jax.new_ref(jnp.zeros(((num_partials,) if interpret else ()) + q.shape, jnp.float32))
   dk, dv = _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
@@ -452,9 +474,15 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
   fused_dq = cfg.fused_dq if fused_dq is None else fused_dq
+  halves = cfg.dq_column_halves
   dq_tiles = [
-      tile(_WGS, cfg.block_kv, cfg.block_q),  # dS^T, read transposed by the dQ wgmma
-      plgpu.SMEM((_WGS, cfg.block_q, head_dim), jnp.float32),  # dQ part, out by reduce-add
+      # dS^T, read transposed by the dQ wgmma (dq_column_halves: one per ring slot, read by both
+      # warpgroups)
+      tile(*((cfg.stages,) if halves else ()), _WGS, cfg.block_kv, cfg.block_q),
+      # dQ part, out by reduce-add
+      plgpu.SMEM((_WGS, cfg.block_q, head_dim // 2 if halves else head_dim), jnp.float32),
+      # dq_column_halves: both warpgroups' dS^T of a ring slot are in shared memory
+      *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages)] if halves else []),
   ] if fused_dq else []
   return [
       tile(_WGS, cfg.block_kv, head_dim),  # k, then dk out

@@ -79,6 +79,15 @@ class KernelConfig:
   # TMA reduce-add. Costs 2 * block_q * head_dim * 4 + 2 * block_kv * block_q * 2 bytes of shared
   # memory and a float32 dQ pass (zero, then scale and cast) outside the kernel.
   fused_dq: bool = False
+  # dK/dV with fused_dq, head_dim >= 128: FlashAttention-3's dQ layout. Each compute warpgroup
+  # makes one half of dQ's columns, [block_q, head_dim / 2], from both warpgroups' dS^T tiles
+  # (which meet in shared memory: the two warpgroups wait for each other once per query block)
+  # times the matching columns of both K tiles. Half the dQ registers of plain fused_dq (whose
+  # [block_q, head_dim] float32 part spills at head_dim 128) and half the reduce-add bytes per
+  # warpgroup. Both warpgroups step every query block of the CTA's range: where a warpgroup's
+  # keys see none of a block, its dS^T is zero (the masked step), one extra step per head at a
+  # causal diagonal.
+  dq_column_halves: bool = False
   # Forward only: a persistent grid. One CTA per SM (NUM_SMS; a few in the interpreter) walks
   # the (batch, head, query tile) work items in `grid_order` (fastest axis first), CTA c taking
   # items c, c + #CTAs, ... (a static schedule; with `reverse_q_tiles` under a causal mask and
@@ -105,6 +114,8 @@ class KernelConfig:
                        f"stages={self.stages}, ping_pong={self.ping_pong}")
     if self.fused_dq and self.split_dkv:
       raise ValueError("fused_dq needs dK and dV from one launch (split_dkv=False)")
+    if self.dq_column_halves and not self.fused_dq:
+      raise ValueError("dq_column_halves is a layout of the fused dQ: it needs fused_dq=True")
     if sorted(self.grid_order) != sorted(GRID_AXES):
       raise ValueError(f"grid_order must be a permutation of {GRID_AXES}, got "
                        f"{self.grid_order}")
