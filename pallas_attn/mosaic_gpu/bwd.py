@@ -283,18 +283,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dq_dest = (dq_acc_ref.at[lax.axis_index("kv_tiles") * _WGS + wg] if dq_partials
                  else dq_acc_ref)
 
-    def dk_and_dq(dk, dst, slot, head, qi):
-      """dK += dS^T q and dQ[qi block] += dS K. dS^T goes to shared memory, where the dK wgmma
-      reads it (so no register operand stays live across that wgmma) and the dQ wgmma reads it
-      transposed; the float32 dQ product leaves by a TMA reduce-add. Plain fused_dq: this
+    def add_dq(dst, slot, head, qi):
+      """dQ[qi block] += dS K: dS^T goes through shared memory so the wgmma can read it
+      transposed; the float32 product leaves by a TMA reduce-add. Plain fused_dq: this
       warpgroup's keys, every column. dq_column_halves: both warpgroups' keys (their dS^T tiles
       meet at `ds_ready`), this warpgroup's half of the columns. (Ring slot `slot`'s dS^T tiles
-      are rewritten only after both warpgroups released the slot, so after both read them.)"""
+      are rewritten only after both warpgroups released the slot, so after both read them.)
+      (dK's wgmma keeps reading dS^T from registers: reading it from here instead spilled more
+      and was 5-9% slower on the H200, benchmarks/NOTES.md session 6.)"""
       rows_out = (batch, pl.ds(qi * block_q, block_q), head)
       own_ds = ds_smem.at[slot, wg] if cfg.dq_column_halves else ds_smem.at[wg]
       own_ds[...] = dst
       plgpu.commit_smem()
-      dk = common.matmul_acc(dk, own_ds, q_smem.at[slot], interpret=dq_partials)
       if cfg.dq_column_halves:
         plgpu.barrier_arrive(ds_ready[0].at[slot])
         plgpu.barrier_wait(ds_ready[0].at[slot])
@@ -310,7 +310,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(dq_out_smem.at[wg], dq_dest.at[rows_out],
                               reduction_op=None if dq_partials else "add")
-      return dk
 
     def one_head(g, carry):
       # (The query head only matters to ALiBi, dropout and the user's functions: don't compute
@@ -343,10 +342,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
                                     chain)
           dst = dst.astype(dtype)
-          if dq_acc_ref is None:
-            acc["dk"] = common.matmul_acc(acc["dk"], dst, q_smem.at[slot], stage)
-          else:
-            acc["dk"] = dk_and_dq(acc["dk"], dst, slot, kv_head * groups + g, qi)
+          acc["dk"] = common.matmul_acc(acc["dk"], dst, q_smem.at[slot], stage)
+          if dq_acc_ref is not None:
+            add_dq(dst, slot, kv_head * groups + g, qi)
         plgpu.barrier_arrive(slot_free.at[slot])
         return acc
 

@@ -102,22 +102,18 @@ def matmul_sum(pairs, shape, while_running=None) -> jax.Array:
   return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
-def matmul_acc(acc, lhs, rhs, staging=None, interpret: bool = False) -> jax.Array:
-  """acc + lhs @ rhs with lhs a register array, or a shared-memory ref.
+def matmul_acc(acc, lhs, rhs, staging=None) -> jax.Array:
+  """acc + lhs @ rhs with lhs a register array.
 
-  Compiled (`staging` None, `interpret` False), the wgmma reads lhs from registers (or shared
-  memory) and accumulates in place (`pl.run_state` over the accumulator). The interpreter
-  (jax 0.11.2) runs neither register operands nor `run_state`, so there a register lhs is staged
-  through the shared-memory ref `staging` and the product, made in a fresh accumulator, is added
-  in registers: the same arithmetic. (A shared-memory lhs needs no staging: `interpret` says
-  which way to go.)
+  Compiled (`staging` None), the wgmma reads lhs from registers and accumulates in place
+  (`pl.run_state` over the accumulator). The interpreter (jax 0.11.2) runs neither register
+  operands nor `run_state`, so there lhs is staged through the shared-memory ref `staging` and the
+  product, made in a fresh accumulator, is added in registers: the same arithmetic.
   """
-  if staging is not None or interpret:
-    if staging is not None:
-      staging[...] = lhs
-      plgpu.commit_smem()
-      lhs = staging
-    return acc + matmul(lhs, rhs, acc.shape)
+  if staging is not None:
+    staging[...] = lhs
+    plgpu.commit_smem()
+    return acc + matmul(staging, rhs, acc.shape)
 
   def body(acc_ref):
     plgpu.wgmma(acc_ref, lhs, rhs)
