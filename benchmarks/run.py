@@ -192,40 +192,50 @@ class Writer:
     self.file.close()
 
 
+def search_share(left_s: float, searches_left: int) -> float:
+  """The time budget of the next out-of-memory search (one implementation and pass): an equal
+  share of what is left, so that one slow ladder (the blocked path runs its O(N^2) work at every
+  step) cannot starve the others; what a search leaves unused goes to the ones after it. (The
+  first H200 search, first come first served, spent ~400 of 420 s on pallas_attn's two paths and
+  never reached tokamax: benchmarks/NOTES.md session 6.)"""
+  return max(1.0, left_s / max(1, searches_left))
+
+
 def _search_in_subprocesses(args, impl_list, passes, out: Writer, ctx: dict,
                             budget_s: float | None, started: float):
   """On a GPU each (implementation, pass) is searched in a fresh process: the allocator's peak
   cannot be reset, and a fresh process lets every step of the ladder raise it (see memory.py)."""
+  searches = [(impl, pass_) for impl in impl_list if impl.attend is not None for pass_ in passes]
   for impl in impl_list:
     if impl.attend is None:  # nothing to run: record why, without starting a process
       cfg = sweep.SweepConfig(dtype=args.dtype, passes=passes)
       sweep.max_seq_rows(impl, [args.max_seq_start or 16384], cfg, execute=False,
                          memory_limit=None, emit=out, ctx=ctx)
-      continue
-    for pass_ in passes:
-      with tempfile.TemporaryDirectory() as tmp:
-        part = pathlib.Path(tmp) / "part.jsonl"
-        left = max(1.0, budget_s - (time.perf_counter() - started)) if budget_s else 0
-        cmd = [sys.executable, "-m", "benchmarks.run", "--shapes", "none", "--max-seq-search",
-               "--in-process-search", "--impls", impl.name, "--passes", pass_, "--dtype",
-               args.dtype, "--out", str(part), "--ceiling-size", "0", "--run-id", ctx["run_id"],
-               "--time-budget", str(left)]
-        for flag in ("max_seq_start", "max_seq_cap", "memory_limit_gib"):
-          if getattr(args, flag) is not None:
-            cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
-        if args.quiet:
-          cmd.append("--quiet")
-        else:
-          print(f"out-of-memory search: {impl.name} {pass_} (own process)", file=sys.stderr,
-                flush=True)
-        done = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent.parent, check=False,
-                              stdout=subprocess.DEVNULL)
-        rows = report.load(part)
-        if done.returncode and not rows:
-          print(f"  the search for {impl.name} {pass_} failed (exit {done.returncode})",
-                file=sys.stderr)
-        for row in rows:
-          out(row)
+  for i, (impl, pass_) in enumerate(searches):
+    with tempfile.TemporaryDirectory() as tmp:
+      part = pathlib.Path(tmp) / "part.jsonl"
+      left = (search_share(budget_s - (time.perf_counter() - started), len(searches) - i)
+              if budget_s else 0)
+      cmd = [sys.executable, "-m", "benchmarks.run", "--shapes", "none", "--max-seq-search",
+             "--in-process-search", "--impls", impl.name, "--passes", pass_, "--dtype",
+             args.dtype, "--out", str(part), "--ceiling-size", "0", "--run-id", ctx["run_id"],
+             "--time-budget", str(left)]
+      for flag in ("max_seq_start", "max_seq_cap", "memory_limit_gib"):
+        if getattr(args, flag) is not None:
+          cmd += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
+      if args.quiet:
+        cmd.append("--quiet")
+      else:
+        print(f"out-of-memory search: {impl.name} {pass_} (own process)", file=sys.stderr,
+              flush=True)
+      done = subprocess.run(cmd, cwd=pathlib.Path(__file__).parent.parent, check=False,
+                            stdout=subprocess.DEVNULL)
+      rows = report.load(part)
+      if done.returncode and not rows:
+        print(f"  the search for {impl.name} {pass_} failed (exit {done.returncode})",
+              file=sys.stderr)
+      for row in rows:
+        out(row)
 
 
 def print_plan(plan, cfg: sweep.SweepConfig, out_path: pathlib.Path):

@@ -241,7 +241,8 @@ def _shape_jobs(shape: Shape, tasks, cfg: SweepConfig, check: bool) -> dict:
     for p, fn in (("fwd", ref_fwd), ("fwd_bwd", ref_bwd)):
       if p in cfg.passes:
         jobs[("reference_f32", p)] = (
-            lambda fn=fn, p=p: jax.jit(fn).lower(*impls_lib.arg_specs(shape, p, dtype)).compile())
+            lambda fn=fn, p=p: jax.jit(fn).lower(*impls_lib.arg_specs(shape, p, dtype)).compile(
+                compiler_options=REFERENCE_COMPILER_OPTIONS))
   if cfg.handover is not None:
     jobs = {key: functools.partial(cfg.handover.fetch, job_label(*key, shape), thunk,
                                    is_build=key[0] != "reference_f32")
@@ -272,18 +273,22 @@ def _handed_over_or(build, path, *, is_build: bool):
   return build()
 
 
+# XLA options of the float32 reference's compiles. It only checks results, so its matmuls need no
+# autotuning, which runs candidate kernels on the GPU (79 s a compile when 15 pre-pass processes
+# autotuned on one H200 at once, benchmarks/NOTES.md session 6); without it the compile uses the
+# host alone and is built beside the kernels while the sweep is timed.
+REFERENCE_COMPILER_OPTIONS = {"xla_gpu_autotune_level": 0}
 # Compiles that run candidate kernels on the device (XLA's GPU autotuner: the dense and blocked
-# XLA paths and the float32 reference). In the pipelined pre-pass they are all built before the
-# first call is timed; the rest (Mosaic GPU and Triton kernels, cuDNN's custom call) only use the
-# host's cores and are built while the sweep is timed.
-DEVICE_COMPILES = frozenset({"jax_xla", "pallas_attn:blocked_jax", "pallas_attn:reference",
-                             "reference_f32"})
+# XLA paths, timed as they are shipped). In the pipelined pre-pass they are all built before the
+# first call is timed; the rest (Mosaic GPU and Triton kernels, cuDNN's custom call, the float32
+# reference) only use the host's cores and are built while the sweep is timed.
+DEVICE_COMPILES = frozenset({"jax_xla", "pallas_attn:blocked_jax", "pallas_attn:reference"})
 # Rough seconds per compile on the H200 at a 16k-token shape, for ordering only (session 3-5 rows).
 _COST_S = {"jax_xla": (3.0, 6.0), "pallas_attn:blocked_jax": (6.0, 9.0),
            "pallas_attn:reference": (4.0, 11.0), "reference_f32": (2.0, 5.0),
            "pallas_attn:mosaic_gpu": (2.0, 6.0), "tokamax_mosaic": (1.5, 4.5),
            "tokamax_triton": (1.0, 3.0), "jax_cudnn": (0.6, 1.1)}
-_DENSE = frozenset({"jax_xla", "pallas_attn:reference", "reference_f32"})
+_DENSE = frozenset({"jax_xla", "pallas_attn:reference"})
 
 
 class Job(NamedTuple):

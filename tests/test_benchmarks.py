@@ -482,6 +482,8 @@ def test_job_estimates_mark_the_autotuning_compiles_and_grow_with_the_shape():
   by = {j.label: j for j in jobs}
   assert all(j.device == (j.label.split()[0] in sweep.DEVICE_COMPILES) for j in jobs)
   assert any(j.label.startswith("reference_f32") for j in jobs)  # the small shape is checked
+  # the float32 reference is built without autotuning: a host-only compile
+  assert not any(j.device for j in jobs if j.label.startswith("reference_f32"))
   xla_small = by[sweep.job_label("jax_xla", "fwd_bwd", small)]
   xla_big = by[sweep.job_label("jax_xla", "fwd_bwd", big)]
   assert xla_big.cost_s > xla_small.cost_s and xla_big.mem_bytes > xla_small.mem_bytes > 0
@@ -585,3 +587,11 @@ def test_device_phase_worker_command_parses():
                                "/tmp/e", phase="device", ledger_bytes=budget)
   args = run.parse_args(cmd[cmd.index("benchmarks.run") + 1:])
   assert args.compile_ledger_bytes == budget and args.compile_phase == "device"
+
+
+def test_out_of_memory_searches_share_the_budget():
+  """Each (implementation, pass) search gets an equal share of the time left, unused time
+  passing on to the later ones: a slow ladder cannot starve the peers searched after it."""
+  assert run.search_share(420.0, 10) == pytest.approx(42.0)
+  assert run.search_share(100.0, 1) == pytest.approx(100.0)  # the last search gets the rest
+  assert run.search_share(-5.0, 3) == 1.0  # past the budget: one second (the search skips)
