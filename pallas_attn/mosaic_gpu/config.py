@@ -86,7 +86,8 @@ class KernelConfig:
   # [block_q, head_dim] float32 part spills at head_dim 128) and half the reduce-add bytes per
   # warpgroup. Both warpgroups step every query block of the CTA's range: where a warpgroup's
   # keys see none of a block, its dS^T is zero (the masked step), one extra step per head at a
-  # causal diagonal.
+  # causal diagonal. H200, head_dim 128 (session 6): it spills more than plain fused_dq, not
+  # less, and runs 0.96-1.03x the separate dQ kernel; off everywhere (benchmarks/NOTES.md).
   dq_column_halves: bool = False
   # Forward only: a persistent grid. One CTA per SM (NUM_SMS; a few in the interpreter) walks
   # the (batch, head, query tile) work items in `grid_order` (fastest axis first), CTA c taking
