@@ -58,11 +58,25 @@ KERNEL_WORKER_NICE = 10
 FETCH_WAIT_S = 120.0
 
 
+# Device-phase workers at once on a GPU (`--device-compile-processes`). XLA's autotuning runs its
+# candidate kernels on the one GPU; workers autotuning at once share it by time-slicing their CUDA
+# contexts, so more of them do not finish the phase sooner: on the H200, 15 at once took 316 s for
+# 117 compiles (29 s of compiling each) where 8 at once had taken ~4.5 s each (NOTES.md, sessions
+# 5-6). The other workers build the kernel compiles (host cores only) meanwhile.
+DEVICE_PROCESSES_GPU = 3
+
+
 def default_processes(on_gpu: bool) -> int:
   """Workers for the pre-pass: off on the CPU (two cores: the timing process would wait for the
   same cores), else one per core but the timing process's. Host memory is not the limit: a worker
   holds ~2-3 GiB (JAX, tokamax, a CUDA context), 15 of them ~40 GiB of the H200 host's 128."""
   return max(1, (os.cpu_count() or 1) - 1) if on_gpu else 0
+
+
+def default_device_processes(on_gpu: bool, processes: int) -> int:
+  """Of `processes` workers, how many autotune at once in the pipeline's device phase: at most
+  DEVICE_PROCESSES_GPU on a GPU; every worker on the CPU (there is no device to share)."""
+  return min(processes, DEVICE_PROCESSES_GPU) if on_gpu else processes
 
 
 def gpu_visible() -> bool:
@@ -106,7 +120,9 @@ def gpu_memory_bytes() -> int | None:
 
 def ledger_budget(total: int | None, processes: int) -> int:
   """Device bytes the device phase's autotuning may hold at once: 85% of the card less a CUDA
-  context (~0.6 GiB) per worker; 64 GiB when the card's size is unknown."""
+  context (~0.6 GiB) per worker; 64 GiB when the card's size is unknown. `processes` is every
+  worker alive during the device phase, not only the device-phase ones: the kernel-phase workers
+  start with it (pipelined) and each holds a context on the card too."""
   if not total:
     return 64 * 2 ** 30
   return max(2 ** 30, int(total * 0.85 - processes * 0.6 * 2 ** 30))  # an int: a worker flag
@@ -344,6 +360,10 @@ class Prepass:
   waited_s: float = 0.0  # pipelined: the timing process waiting for workers' compiles
   self_built: int = 0  # pipelined: compiles the timing process took itself (none had started)
   breakdown: str = ""
+  device_processes: int | None = None  # pipelined: workers in the device phase (autotuning)
+  kernel_built: int = 0  # pipelined: compiles the kernel-phase workers built (no error)
+  kernel_built_early: int = 0  # pipelined: ... of them finished before the first call was timed
+  kernel_failed: int = 0  # pipelined: kernel-phase compiles that raised
 
   def summary(self) -> str:
     text = (f"compile pre-pass: {self.processes} processes built {self.compiled} calls in "
@@ -353,8 +373,13 @@ class Prepass:
             f"{self.handed_over} executables handed over")
     lines = [text]
     if self.device_phase_s is not None:
-      lines.append(f"  pipelined: device-phase compiles (autotuning) done after "
-                   f"{self.device_phase_s:.0f} s, before the first call was timed; the timing "
+      kernel_workers = self.processes - (self.device_processes or 0)
+      lines.append(f"  pipelined: {self.device_processes} device-phase workers (autotuning; "
+                   f"{kernel_workers} kernel-phase workers beside them from the start) done after "
+                   f"{self.device_phase_s:.0f} s, before the first call was timed; kernel-phase "
+                   f"workers built {self.kernel_built} calls ({self.kernel_built_early} of them "
+                   f"before timing started"
+                   f"{f', {self.kernel_failed} failed' if self.kernel_failed else ''}); the timing "
                    f"process then waited {self.waited_s:.0f} s for workers' compiles and built "
                    f"{self.self_built} no worker had started")
     if self.breakdown:
@@ -422,55 +447,89 @@ def lower_priority(phase: str | None):
       pass
 
 
+def phases_at_start(processes: int, device_processes: int) -> list[str]:
+  """The phase of each worker the pipeline starts with: `device_processes` device-phase workers
+  (at most `processes`), the others kernel-phase workers from the start."""
+  device = max(0, min(device_processes, processes))
+  return ["device"] * device + ["kernel"] * (processes - device)
+
+
 class Pipeline:
   """The pipelined pre-pass: compiles in worker processes while the sweep is timed.
 
-  1. `start_device_phase()`: `processes` workers build the compiles that run kernels on the device
-     (XLA's autotuning: jax_xla, blocked_jax, reference, the float32 reference), longest first,
-     sharing the card's memory through a `MemoryLedger`. As each runs out of them and exits, a
-     kernel-phase worker takes its core. `wait_device_phase()` returns when the last device-phase
-     worker has exited: only then does the timing process start its backend, so no autotuning
-     ever runs on the device while a call is timed.
+  1. `start_device_phase()` starts `processes` workers. `device_processes` of them (3 on a GPU,
+     `--device-compile-processes`) build the compiles that run kernels on the device (XLA's
+     autotuning: jax_xla, blocked_jax, the references), longest first, sharing the card's memory
+     through a `MemoryLedger`: no more, because one GPU's autotuning does not go faster with more
+     processes (they time-slice the card: 15 at once made each compile ~6x slower). The others
+     start as kernel-phase workers at once (below). As each device-phase worker runs out of
+     compiles and exits, a kernel-phase worker takes its core. `wait_device_phase()` returns when
+     the last device-phase worker has exited: only then does the timing process start its backend,
+     so no autotuning ever runs on the device while a call is timed.
   2. The kernel-phase workers (niced) build everything else (Mosaic GPU and Triton kernels, cuDNN)
-     in plan order, while the timing process times the shapes in plan order. For each compile it
-     `fetch`es: the worker's executable when done; when no worker has taken it yet, it takes it
-     and builds it itself (it would only wait otherwise); when a worker is building it, it waits.
+     in plan order, during the device phase and while the timing process times the shapes in plan
+     order. For each compile it `fetch`es: the worker's executable when done; when no worker has
+     taken it yet, it takes it and builds it itself (it would only wait otherwise); when a worker
+     is building it, it waits. A claim file per compile: each is built once, by whoever claims it.
   3. `finish()`: stops the workers and says what they did.
+
+  Deadlines (both from construction): the device-phase workers stop taking compiles after
+  `budget_s` (the compile budget; GRACE_S later they are stopped and the timing process builds
+  what is left); the kernel-phase workers after `kernel_budget_s` (the run's --time-budget: they
+  are of use as long as the sweep is timed), or never (None: `finish()` stops them).
   """
 
   def __init__(self, argv: list[str], processes: int, cache: str, budget_s: float | None,
-               quiet: bool, executables: str | None):
+               quiet: bool, executables: str | None, device_processes: int | None = None,
+               kernel_budget_s: float | None = None):
     self.argv, self.processes, self.cache, self.quiet = argv, processes, cache, quiet
     self.executables = executables
-    self.deadline = time.time() + budget_s if budget_s else None
+    gpu = gpu_visible()
+    if device_processes is None:
+      device_processes = default_device_processes(gpu, processes)
+    self.device_processes = max(0, min(device_processes, processes))
+    now = time.time()
+    self.deadline = now + budget_s if budget_s else None  # the device phase's
+    self.kernel_deadline = now + kernel_budget_s if kernel_budget_s else None
+    if self.kernel_deadline and self.deadline:  # never before the device phase's
+      self.kernel_deadline = max(self.kernel_deadline, self.deadline)
     self.workdir = pathlib.Path(tempfile.mkdtemp(prefix="pallas_attn_prepass_"))
     (self.workdir / "claims").mkdir()
     (self.workdir / "done").mkdir()
-    self.device_procs, self.kernel_procs, self.logs = [], [], []
+    self.device_procs, self.kernel_procs = [], []
+    self.procs, self.logs = [], []  # every worker and its log, in the order they started
     self.started = time.perf_counter()
     self.device_phase_s = None
+    self.device_phase_end = None  # time.time() when the last device-phase worker had exited
     self.waited_s, self.self_built = 0.0, 0
     self.finished = None  # finish()'s Prepass once called
     self.before = compile_cache.entries(cache)
-    self.ledger_bytes = ledger_budget(gpu_memory_bytes() if gpu_visible() else None, processes)
+    # Every worker holds a CUDA context on the card during the device phase (see ledger_budget).
+    self.ledger_bytes = ledger_budget(gpu_memory_bytes() if gpu else None, processes)
 
   def _spawn(self, phase: str):
     log = self.workdir / f"worker-{len(self.logs)}-{phase}.log"
     self.logs.append(log)
+    device = phase == "device"
     with open(log, "w", encoding="utf-8") as f:
       proc = subprocess.Popen(  # pylint: disable=consider-using-with
-          _worker_cmd(self.argv, self.workdir, self.cache, self.deadline, self.executables, phase,
-                      self.ledger_bytes if phase == "device" else None),
-          cwd=ROOT, env=worker_env(self.processes, phase), stdin=subprocess.DEVNULL, stdout=f,
-          stderr=subprocess.STDOUT)
-    (self.device_procs if phase == "device" else self.kernel_procs).append(proc)
+          _worker_cmd(self.argv, self.workdir, self.cache,
+                      self.deadline if device else self.kernel_deadline, self.executables, phase,
+                      self.ledger_bytes if device else None),
+          cwd=ROOT, env=worker_env(self.device_processes if device else self.processes, phase),
+          stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
+    (self.device_procs if device else self.kernel_procs).append(proc)
+    self.procs.append(proc)
 
   def start_device_phase(self):
+    """Starts every worker: the device-phase ones and, beside them, the kernel-phase ones."""
+    phases = phases_at_start(self.processes, self.device_processes)
     if not self.quiet:
-      print(f"compile pre-pass (pipelined): {self.processes} processes -> {self.cache}",
-            file=sys.stderr, flush=True)
-    for _ in range(self.processes):
-      self._spawn("device")
+      print(f"compile pre-pass (pipelined): {self.processes} processes, "
+            f"{phases.count('device')} in the device phase, {phases.count('kernel')} kernel-phase "
+            f"from the start -> {self.cache}", file=sys.stderr, flush=True)
+    for phase in phases:
+      self._spawn(phase)
 
   def wait_device_phase(self):
     """Blocks until every device-phase worker has exited (terminated GRACE_S past the deadline),
@@ -494,9 +553,13 @@ class Pipeline:
         next_report = now + REPORT_EVERY_S
       time.sleep(POLL_S / 5)
     self.device_phase_s = time.perf_counter() - self.started
+    self.device_phase_end = time.time()
     if not self.quiet:
+      reports = _reports(self.workdir)
+      kernel = sum(r.get("phase") == "kernel" for r in reports)
       print(f"compile pre-pass: device phase done after {self.device_phase_s:.0f} s "
-            f"({len(_reports(self.workdir))} calls built); timing starts", file=sys.stderr,
+            f"({len(reports) - kernel} device-phase calls built by {self.device_processes} "
+            f"workers, {kernel} kernel-phase calls beside them); timing starts", file=sys.stderr,
             flush=True)
 
   def _workers_alive(self) -> bool:
@@ -527,12 +590,14 @@ class Pipeline:
       return self.finished
     _stop(self.kernel_procs + self.device_procs)
     reports = _reports(self.workdir)
-    procs = self.device_procs + self.kernel_procs
     failures = [f"worker {i} exited with {p.returncode}: {_tail(log)}"
-                for i, (p, log) in enumerate(zip(procs, self.logs))
+                for i, (p, log) in enumerate(zip(self.procs, self.logs))
                 if p.returncode and p.returncode not in (-15, -9)]
     shutil.rmtree(self.workdir, ignore_errors=True)
     ok = [r for r in reports if r["error"] is None]
+    kernel = [r for r in reports if r.get("phase") == "kernel"]
+    kernel_ok = [r for r in kernel if r["error"] is None]
+    end = self.device_phase_end
     self.finished = Prepass(processes=self.processes, seconds=time.perf_counter() - self.started,
                    compiled=len(ok), failed=len(reports) - len(ok),
                    compile_s=sum(r["s"] for r in reports),
@@ -540,7 +605,10 @@ class Pipeline:
                    entries_before=self.before, entries_after=compile_cache.entries(self.cache),
                    worker_failures=failures, device_phase_s=self.device_phase_s,
                    waited_s=self.waited_s, self_built=self.self_built,
-                   breakdown=_breakdown(reports))
+                   breakdown=_breakdown(reports), device_processes=self.device_processes,
+                   kernel_built=len(kernel_ok), kernel_failed=len(kernel) - len(kernel_ok),
+                   kernel_built_early=sum(end is not None and r["start"] + r["s"] <= end
+                                          for r in kernel_ok))
     return self.finished
 
 

@@ -90,6 +90,13 @@ def parse_args(argv=None):
                       "and the workers build the rest (kernels) while it is timed, shape by shape "
                       "ahead of it; --no-compile-pipeline: every compile is built before anything "
                       "is timed")
+  p.add_argument("--device-compile-processes", type=int, default=None,
+                 help="with the pipeline: how many of the --compile-processes workers build the "
+                      "compiles that autotune on the device at once; the others build kernels "
+                      "(host cores only) from the start. Default 3 on a GPU: XLA's autotuning "
+                      "runs candidate kernels on the one GPU, so more processes time-slice it and "
+                      "each compile gets slower (15 at once: ~6x slower per compile on the H200); "
+                      "every worker on the CPU")
   p.add_argument("--compile-cache", default=None,
                  help="the persistent compilation cache's directory, kept after the run (a later "
                       "run with the same shapes then loads every call from it); default: a "
@@ -319,6 +326,14 @@ def _prepass_processes(args) -> int:
   return precompile.default_processes(precompile.gpu_visible())
 
 
+def _device_processes(args, processes: int, on_gpu: bool) -> int:
+  """How many of the pipeline's `processes` workers autotune at once (--device-compile-processes,
+  default 3 on a GPU)."""
+  if args.device_compile_processes is not None:
+    return max(0, min(args.device_compile_processes, processes))
+  return precompile.default_device_processes(on_gpu, processes)
+
+
 def main(argv=None) -> list[dict]:
   argv = list(sys.argv[1:] if argv is None else argv)
   args = parse_args(argv)
@@ -333,11 +348,16 @@ def main(argv=None) -> list[dict]:
     if processes:
       # Before this process starts its backend: on a GPU that takes 75% of the memory, which the
       # workers' autotuning needs while they run.
-      budget = _time_budget(args, precompile.gpu_visible())
+      on_gpu = precompile.gpu_visible()
+      budget = _time_budget(args, on_gpu)
       compile_budget = args.compile_budget if args.compile_budget is not None else budget / 2
       if args.compile_pipeline:
+        # The device phase stops at the compile budget (the timing process builds what is left);
+        # the kernel-phase workers are of use as long as the sweep is timed: the whole budget.
         pipeline = precompile.Pipeline(argv, processes, cache, compile_budget or None,
-                                       args.quiet, executables)
+                                       args.quiet, executables,
+                                       device_processes=_device_processes(args, processes, on_gpu),
+                                       kernel_budget_s=budget or None)
         pipeline.start_device_phase()
         try:
           pipeline.wait_device_phase()

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call on the H200: the benchmark sweep with the pipelined compile pre-pass (worker
-# processes build the autotuning compiles first, then the kernels while one process times, and
-# hand their executables over), measuring only what the committed results file does not hold yet
-# (--resume; rows recorded as skipped are measured again).
+# processes build the autotuning compiles first, a few at once, while the others build the
+# kernels from the start and on while one process times, all handing their executables over),
+# measuring only what the committed results file does not hold yet (--resume; rows recorded as
+# skipped are measured again).
 #   run: bash scripts/h200_sweep.sh [more benchmarks.run args...]
 # --resume reads the measurements already made from --out and appends to it, so the script starts
 # from a copy of benchmarks/results/h200.jsonl in $OUT: the file that comes back is the committed
@@ -13,6 +14,9 @@
 # Environment:
 #   SHAPES (presets, default full), BUDGET (--time-budget, s, default 480: the pre-pass and the
 #   timing together), COMPILE_PROCESSES (default benchmarks.run's: cores - 1),
+#   DEVICE_COMPILE_PROCESSES (--device-compile-processes: of those, how many autotune on the GPU
+#   at once before timing starts; default benchmarks.run's: 3, as more time-slice the one GPU
+#   and each compile gets slower; the others build kernels from the start, until --time-budget),
 #   PIPELINE=0 (--no-compile-pipeline: every compile before anything is timed, as in session 4),
 #   COMPILE_BUDGET (s, default half of BUDGET), JAX_CACHE (the cache, default
 #   /tmp/pallas_attn_jax_cache: kept while the machine stays warm, so a second call loads the
@@ -40,6 +44,7 @@ timeout "${HARD_TIMEOUT:-575}" python3 -m benchmarks.run $mode --out "$OUT/h200.
   --shapes "${SHAPES:-full}" --time-budget "${BUDGET:-480}" \
   --compile-cache "${JAX_CACHE:-/tmp/pallas_attn_jax_cache}" \
   ${COMPILE_PROCESSES:+--compile-processes $COMPILE_PROCESSES} \
+  ${DEVICE_COMPILE_PROCESSES:+--device-compile-processes $DEVICE_COMPILE_PROCESSES} \
   ${COMPILE_BUDGET:+--compile-budget $COMPILE_BUDGET} \
   $([ "${PIPELINE:-1}" = 0 ] && echo --no-compile-pipeline) "$@" >"$OUT/bench.log" 2>&1
 echo "benchmarks.run exit $? after $(( $(date +%s) - start )) s"

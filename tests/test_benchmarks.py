@@ -595,3 +595,162 @@ def test_out_of_memory_searches_share_the_budget():
   assert run.search_share(420.0, 10) == pytest.approx(42.0)
   assert run.search_share(100.0, 1) == pytest.approx(100.0)  # the last search gets the rest
   assert run.search_share(-5.0, 3) == 1.0  # past the budget: one second (the search skips)
+
+# ---- the pipeline's device phase, capped (session 6) ----------------------------------------
+
+H200_BYTES = 150_754_820_096
+
+
+class _FakePopen:
+  """A worker process that never starts: its command line and environment are kept to read."""
+
+  def __init__(self, cmd, env=None, **_):
+    self.cmd, self.env, self.returncode = cmd, env, None
+    self.args = run.parse_args(cmd[cmd.index("benchmarks.run") + 1:])
+
+  def poll(self):
+    return self.returncode
+
+  def exit(self, code=0):
+    self.returncode = code
+
+  def terminate(self):
+    if self.returncode is None:
+      self.returncode = -15
+
+  kill = terminate
+
+  def wait(self, timeout=None):  # pylint: disable=unused-argument
+    return self.returncode
+
+
+def _fake_h200(monkeypatch):
+  """An H200 host to the pipeline (a GPU of that size), its workers never started."""
+  monkeypatch.setattr(precompile, "gpu_visible", lambda: True)
+  monkeypatch.setattr(precompile, "gpu_memory_bytes", lambda: H200_BYTES)
+  monkeypatch.setattr(precompile.subprocess, "Popen", _FakePopen)
+  monkeypatch.delenv("PALLAS_ATTN_PREPASS_ALLOCATOR", raising=False)
+
+
+def test_pipeline_caps_device_workers_and_starts_kernel_workers_beside_them(tmp_path,
+                                                                             monkeypatch):
+  """15 workers with 3 in the device phase: 3 device-phase workers (the ledger, the compile
+  budget's deadline) and 12 kernel-phase workers at once (the time budget's deadline); each
+  device-phase worker that exits is replaced by a kernel-phase one; the summary says so."""
+  import time
+  _fake_h200(monkeypatch)
+  begin = time.time()
+  pipe = precompile.Pipeline(["--shapes", "tiny"], 15, str(tmp_path / "cache"), 270.0, True,
+                             str(tmp_path / "exe"), device_processes=3, kernel_budget_s=540.0)
+  try:
+    pipe.start_device_phase()
+    device, kernel = list(pipe.device_procs), list(pipe.kernel_procs)
+    assert [p.args.compile_phase for p in device] == ["device"] * 3
+    assert [p.args.compile_phase for p in kernel] == ["kernel"] * 12
+    # device phase: the compile budget, the ledger for every worker's context on the card
+    for p in device:
+      assert begin + 269 < p.args.compile_deadline < begin + 275
+      assert p.args.compile_ledger_bytes == precompile.ledger_budget(H200_BYTES, 15)
+      assert p.env["XLA_PYTHON_CLIENT_ALLOCATOR"] == "platform"
+    # kernel phase: the whole time budget, no ledger, a tiny memory share
+    for p in kernel:
+      assert begin + 539 < p.args.compile_deadline < begin + 545
+      assert p.args.compile_ledger_bytes == 0
+      assert p.env["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.02"
+    # The device phase lasts until every device-phase worker has exited, each replaced.
+    for p in device:
+      p.exit()
+    pipe.wait_device_phase()
+    assert len(pipe.device_procs) == 3 and len(pipe.kernel_procs) == 15
+    assert all(p.args.compile_phase == "kernel" and p.args.compile_deadline > begin + 539
+               for p in pipe.kernel_procs[12:])
+    # what the workers reported: one device-phase compile, two kernel-phase ones (one of them
+    # before timing started), one kernel-phase failure
+    now = time.time()
+    reports = [{"job": "jax_xla fwd a", "s": 4.0, "start": now - 10, "phase": "device"},
+               {"job": "mosaic fwd a", "s": 1.0, "start": now - 10, "phase": "kernel"},
+               {"job": "mosaic fwd b", "s": 1.0, "start": now + 5, "phase": "kernel"},
+               {"job": "cudnn fwd b", "s": 1.0, "start": now - 10, "phase": "kernel",
+                "error": "boom"}]
+    (pipe.workdir / "report-1.jsonl").write_text("".join(
+        json.dumps({"error": None, "handed_over": True, **r}) + "\n" for r in reports))
+  finally:
+    done = pipe.finish()
+  assert all(p.returncode == -15 for p in pipe.kernel_procs)  # finish() stops them
+  assert (done.device_processes, done.kernel_built, done.kernel_built_early,
+          done.kernel_failed) == (3, 2, 1, 1)
+  text = done.summary()
+  assert "3 device-phase workers" in text and "12 kernel-phase workers" in text
+  assert "kernel-phase workers built 2 calls (1 of them before timing started, 1 failed)" in text
+
+
+def test_pipeline_phases_at_start():
+  assert precompile.phases_at_start(15, 3) == ["device"] * 3 + ["kernel"] * 12
+  assert precompile.phases_at_start(2, 3) == ["device"] * 2  # never more than the workers
+  assert precompile.phases_at_start(4, 0) == ["kernel"] * 4
+  # 3 on a GPU (one GPU's autotuning does not scale with processes); every worker on the CPU
+  assert precompile.default_device_processes(True, 15) == 3
+  assert precompile.default_device_processes(True, 2) == 2
+  assert precompile.default_device_processes(False, 2) == 2
+
+
+def test_device_compile_processes_flag_and_default():
+  args = run.parse_args([])
+  assert args.device_compile_processes is None
+  assert run._device_processes(args, 15, on_gpu=True) == 3
+  assert run._device_processes(args, 2, on_gpu=False) == 2
+  args = run.parse_args(["--device-compile-processes", "5"])
+  assert args.device_compile_processes == 5
+  assert run._device_processes(args, 15, on_gpu=True) == 5
+  assert run._device_processes(args, 4, on_gpu=True) == 4  # at most the workers
+
+
+class _StopHere(Exception):
+  pass
+
+
+def test_run_gives_the_pipeline_the_device_cap_and_both_deadlines(tmp_path, monkeypatch):
+  """benchmarks.run makes the Pipeline with --device-compile-processes (3 by default on a GPU),
+  the compile budget for the device phase and --time-budget for the kernel phase."""
+  made = []
+
+  class Recorder:
+    def __init__(self, *args, **kwargs):
+      made.append((args, kwargs))
+
+    def start_device_phase(self):
+      raise _StopHere
+
+    def finish(self):
+      pass
+
+  monkeypatch.setattr(precompile, "Pipeline", Recorder)
+  monkeypatch.setattr(precompile, "gpu_visible", lambda: True)
+  common = ["--shapes", "tiny", "--compile-processes", "15", "--time-budget", "540", "--quiet",
+            "--out", str(tmp_path / "out.jsonl"), "--compile-cache", str(tmp_path / "cache")]
+  for extra, want in (([], 3), (["--device-compile-processes", "5"], 5)):
+    with pytest.raises(_StopHere):
+      run.main(common + extra)
+    args, kwargs = made.pop()
+    assert args[1] == 15 and args[3] == 270  # processes, the compile budget (half)
+    assert kwargs["device_processes"] == want and kwargs["kernel_budget_s"] == 540
+
+
+def test_device_and_kernel_workers_split_the_compiles_each_built_once(tmp_path):
+  """A kernel-phase worker started beside the device-phase ones takes only the kernel compiles,
+  in plan order; the device-phase worker only the device ones; nothing is built twice."""
+  built = []
+  jobs = [sweep.Job(label, lambda label=label: built.append(label), device, cost, 0, index)
+          for label, device, cost, index in (("mosaic a", False, 1.0, 0), ("xla a", True, 2.0, 0),
+                                             ("tokamax a", False, 1.0, 0), ("xla b", True, 9.0, 1),
+                                             ("mosaic b", False, 1.0, 1))]
+  precompile.work(jobs, tmp_path, None, None, "kernel")
+  assert built == ["mosaic a", "tokamax a", "mosaic b"]
+  precompile.work(jobs, tmp_path, None, None, "device")
+  precompile.work(jobs, tmp_path, None, None, "kernel")  # a second kernel worker: nothing left
+  assert built == ["mosaic a", "tokamax a", "mosaic b", "xla b", "xla a"]
+  reports = [json.loads(line) for p in tmp_path.glob("report-*.jsonl")
+             for line in p.read_text().splitlines()]
+  assert {r["job"]: r["phase"] for r in reports} == {
+      "mosaic a": "kernel", "tokamax a": "kernel", "mosaic b": "kernel", "xla b": "device",
+      "xla a": "device"}
