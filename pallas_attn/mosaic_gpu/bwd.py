@@ -277,7 +277,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_wait(delta_full.at[slot])
 
     if dq_acc_ref is not None:
-      ds_smem, dq_out_smem, *ds_ready = dq_smem
+      # (dq_column_halves: `halves_met` holds the two meetings: dS^T tiles ready, per ring slot;
+      # both warpgroups past their last dQ wgmma, before the K tiles carry dK out.)
+      ds_smem, dq_out_smem, *halves_met = dq_smem
       # Interpreted, each (key tile, warpgroup) writes its own partial dQ (the interpreter has
       # no TMA reduction); compiled, every CTA adds into the one zeroed dQ.
       dq_dest = (dq_acc_ref.at[lax.axis_index("kv_tiles") * _WGS + wg] if dq_partials
@@ -287,7 +289,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       """dQ[qi block] += dS K: dS^T goes through shared memory so the wgmma can read it
       transposed; the float32 product leaves by a TMA reduce-add. Plain fused_dq: this
       warpgroup's keys, every column. dq_column_halves: both warpgroups' keys (their dS^T tiles
-      meet at `ds_ready`), this warpgroup's half of the columns. (Ring slot `slot`'s dS^T tiles
+      meet at `halves_met[0]`), this warpgroup's half of the columns. (Ring slot `slot`'s dS^T tiles
       are rewritten only after both warpgroups released the slot, so after both read them.)
       (dK's wgmma keeps reading dS^T from registers: reading it from here instead spilled more
       and was 5-9% slower on the H200, benchmarks/NOTES.md session 6.)"""
@@ -296,8 +298,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       own_ds[...] = dst
       plgpu.commit_smem()
       if cfg.dq_column_halves:
-        plgpu.barrier_arrive(ds_ready[0].at[slot])
-        plgpu.barrier_wait(ds_ready[0].at[slot])
+        plgpu.barrier_arrive(halves_met[0].at[slot])
+        plgpu.barrier_wait(halves_met[0].at[slot])
         half = pl.ds(wg * (head_dim // 2), head_dim // 2)
         part = common.matmul_sum(
             [(ds_smem.at[slot, w].T, k_smem.at[w, :, half]) for w in range(_WGS)],
@@ -363,6 +365,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), common.WGMMA)
     acc = lax.fori_loop(0, groups, one_head, {name: zeros for name in outputs})
+    if dq_acc_ref is not None and cfg.dq_column_halves:
+      # The other warpgroup's dQ wgmmas read this warpgroup's K tile, which is about to be
+      # overwritten with dK: wait until both are past their last one.
+      plgpu.barrier_arrive(halves_met[1])
+      plgpu.barrier_wait(halves_met[1])
 
     # The K and V tiles are done with: their shared memory carries dK and dV out.
     out_smem = {"dk": k_smem.at[wg], "dv": v_smem.at[wg]}
@@ -479,8 +486,10 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
       tile(*((cfg.stages,) if halves else ()), _WGS, cfg.block_kv, cfg.block_q),
       # dQ part, out by reduce-add
       plgpu.SMEM((_WGS, cfg.block_q, head_dim // 2 if halves else head_dim), jnp.float32),
-      # dq_column_halves: both warpgroups' dS^T of a ring slot are in shared memory
-      *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages)] if halves else []),
+      # dq_column_halves: both warpgroups' dS^T of a ring slot are in shared memory; both are
+      # past their last dQ wgmma (which reads both K tiles)
+      *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),
+         plgpu.Barrier(num_arrivals=_WGS)] if halves else []),
   ] if fused_dq else []
   return [
       tile(_WGS, cfg.block_kv, head_dim),  # k, then dk out
