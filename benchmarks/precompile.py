@@ -79,6 +79,14 @@ def default_device_processes(on_gpu: bool, processes: int) -> int:
   return min(processes, DEVICE_PROCESSES_GPU) if on_gpu else processes
 
 
+def device_worker_count(requested: int | None, processes: int, on_gpu: bool) -> int:
+  """The device-phase workers for a request (`--device-compile-processes`; None: the default),
+  between 0 and `processes`."""
+  if requested is None:
+    return default_device_processes(on_gpu, processes)
+  return max(0, min(requested, processes))
+
+
 def gpu_visible() -> bool:
   """Whether this host has an NVIDIA GPU, asked without starting a JAX backend: the timing
   process starts its backend (and takes 75% of the GPU's memory) after the pre-pass."""
@@ -485,9 +493,7 @@ class Pipeline:
     self.argv, self.processes, self.cache, self.quiet = argv, processes, cache, quiet
     self.executables = executables
     gpu = gpu_visible()
-    if device_processes is None:
-      device_processes = default_device_processes(gpu, processes)
-    self.device_processes = max(0, min(device_processes, processes))
+    self.device_processes = device_worker_count(device_processes, processes, gpu)
     now = time.time()
     self.deadline = now + budget_s if budget_s else None  # the device phase's
     self.kernel_deadline = now + kernel_budget_s if kernel_budget_s else None

@@ -329,9 +329,7 @@ def _prepass_processes(args) -> int:
 def _device_processes(args, processes: int, on_gpu: bool) -> int:
   """How many of the pipeline's `processes` workers autotune at once (--device-compile-processes,
   default 3 on a GPU)."""
-  if args.device_compile_processes is not None:
-    return max(0, min(args.device_compile_processes, processes))
-  return precompile.default_device_processes(on_gpu, processes)
+  return precompile.device_worker_count(args.device_compile_processes, processes, on_gpu)
 
 
 def main(argv=None) -> list[dict]:
