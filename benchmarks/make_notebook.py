@@ -71,8 +71,11 @@ else:
         path = RESULTS / "cpu.jsonl"
 rows = report.load(path)
 first = next((r for r in rows if r.get("device")), {})
-print(f"{len(rows)} rows from {path.name}: {first.get('device')}, jax {first.get('jax_version')}, "
-      f"{first.get('date')}")
+dates = sorted({r["date"] for r in rows if r.get("date")})
+runs = len({r.get("run_id") for r in rows if r.get("run_id")})
+# The tables keep each measurement's newest row; the dates span the runs the file holds.
+print(f"{len(rows)} rows from {path.name} ({runs} runs): {first.get('device')}, "
+      f"jax {first.get('jax_version')}, {dates[0] if dates else '?'} to {dates[-1] if dates else '?'}")
 ceiling = report.ceiling(rows)
 if ceiling:
     print(f"matmul ceiling ({ceiling['dtype']} {ceiling['m']}^3, same timing method): "

@@ -89,6 +89,7 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_overlap_kv64_no_pp": {"fwd": dict(overlap_qk=True, block_kv=64, ping_pong=False)},
     # f. Forward instruction count and epilogue (benchmarks/FWD_GAP_ANALYSIS.md).
     "fwd_fold_scale": {"fwd": dict(fold_scale=True)},
+    "fwd_no_fold_scale": {"fwd": dict(fold_scale=False)},  # (the table folds since session 7)
     "fwd_ro_store": {"fwd": dict(read_only_store_wait=True)},
     "fwd_fold_ro": {"fwd": dict(fold_scale=True, read_only_store_wait=True)},
     # g. The persistent forward grid (one CTA per SM, FWD_GAP_ANALYSIS.md P2); with heaviest

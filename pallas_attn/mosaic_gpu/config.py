@@ -67,6 +67,7 @@ class KernelConfig:
   # score_fn, no element mask), skip scaling the tile: the row max is scaled instead and the
   # scale * log2(e) goes into exp2's argument as one fused multiply-add (s * c - m), as tokamax
   # and JAX's attention_mgpu do. Saves one multiply per logit (64 per thread per 64 x 128 tile).
+  # On in the table's forward entries (`DEFAULTS`).
   fold_scale: bool = False
   # Forward only: the epilogue waits until its output/lse TMA stores have read shared memory,
   # not until they have landed in global memory (cp.async.bulk.wait_group.read, as tokamax and
@@ -137,10 +138,13 @@ NUM_SMS = 132
 # fits beside the two q tiles with 2 stages. dQ and dK/dV: 64 x 64 tiles keep S, dP and the
 # accumulators of a warpgroup in registers; at head_dim 256 single-slot rings (see the module
 # docstring) and dK, dV in two launches.
+# Forward: fold_scale on (H200, d128, N 4096 / 16384, causal and not: 1.01-1.03x the unfolded
+# kernel in one tuner run, above the default's re-run at every shape; benchmarks/NOTES.md
+# session 7). The unfolded path still serves soft-caps, biases, ALiBi and score functions.
 DEFAULTS: dict[tuple[int, str], KernelConfig] = {
-    (64, "fwd"): KernelConfig(block_q=64, block_kv=128),
-    (128, "fwd"): KernelConfig(block_q=64, block_kv=128),
-    (256, "fwd"): KernelConfig(block_q=64, block_kv=64),
+    (64, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True),
+    (128, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True),
+    (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True),
     (64, "dq"): KernelConfig(block_q=64, block_kv=64),
     (128, "dq"): KernelConfig(block_q=64, block_kv=64),
     (256, "dq"): KernelConfig(block_q=64, block_kv=64, stages=1),
