@@ -71,6 +71,31 @@ class Timing:
   calls: int  # calls enqueued per repeat
 
 
+def _warm_up(fn, args, warmup: int):
+  """`warmup` blocking calls (at least one): (the first call's output, the last call's seconds)."""
+  for i in range(max(1, warmup)):
+    start = time.perf_counter()
+    out = jax.block_until_ready(fn(*args))
+    estimate = time.perf_counter() - start
+    if i == 0:
+      first = out
+    del out
+  return first, estimate
+
+
+def _calls_per_repeat(estimate_s: float, cfg: TimingConfig) -> int:
+  return max(1, min(cfg.max_calls, math.ceil(cfg.target_repeat_s / max(estimate_s, 1e-7))))
+
+
+def _one_repeat_ms(fn, args, calls: int) -> float:
+  """`calls` calls enqueued back to back, one block on the last: milliseconds per call."""
+  start = time.perf_counter()
+  for _ in range(calls):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / calls * 1e3
+
+
 def time_compiled(fn, args, cfg: TimingConfig = TimingConfig()):
   """Times `fn(*args)` by the method in the module docstring.
 
@@ -79,25 +104,28 @@ def time_compiled(fn, args, cfg: TimingConfig = TimingConfig()):
   Returns (Timing, the output of the first call), so that callers can check the result without
   running the function again.
   """
-  for i in range(max(1, cfg.warmup)):
-    start = time.perf_counter()
-    out = jax.block_until_ready(fn(*args))
-    estimate = time.perf_counter() - start
-    if i == 0:
-      first = out
-    del out
+  first, estimate = _warm_up(fn, args, cfg.warmup)
   if cfg.repeats == 0:
     return Timing(estimate * 1e3, (estimate * 1e3,), 1), first
-  calls = max(1, min(cfg.max_calls, math.ceil(cfg.target_repeat_s / max(estimate, 1e-7))))
-  repeat_ms = []
-  for _ in range(cfg.repeats):
-    start = time.perf_counter()
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    repeat_ms.append((time.perf_counter() - start) / calls * 1e3)
-    del out
+  calls = _calls_per_repeat(estimate, cfg)
+  repeat_ms = [_one_repeat_ms(fn, args, calls) for _ in range(cfg.repeats)]
   return Timing(statistics.median(repeat_ms), tuple(repeat_ms), calls), first
+
+
+def time_interleaved(calls: list[tuple], cfg: TimingConfig = TimingConfig()) -> list[Timing]:
+  """Times several `(fn, args)` by the same method, their repeats interleaved: round r runs one
+  repeat of each, starting at the r-th (a rotated order), so that a drift of the device over the
+  measurement (clocks, temperature: 1-6% within one tuner call on the H200, benchmarks/NOTES.md
+  session 7) falls on all of them alike instead of on whichever ran last. `repeats` rounds
+  (at least one); each function keeps its own number of calls per repeat."""
+  per_repeat = [_calls_per_repeat(_warm_up(fn, args, cfg.warmup)[1], cfg) for fn, args in calls]
+  repeat_ms: list[list[float]] = [[] for _ in calls]
+  for round_ in range(max(1, cfg.repeats)):
+    for k in range(len(calls)):
+      i = (round_ + k) % len(calls)
+      fn, args = calls[i]
+      repeat_ms[i].append(_one_repeat_ms(fn, args, per_repeat[i]))
+  return [Timing(statistics.median(ms), tuple(ms), n) for ms, n in zip(repeat_ms, per_repeat)]
 
 
 def matmul_ceiling(n: int, dtype, cfg: TimingConfig = TimingConfig(), seed: int = 0) -> dict:

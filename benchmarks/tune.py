@@ -9,11 +9,14 @@ For each shape: every variant's calls (fwd, and fwd_bwd through jax.vjp) compile
 (before any is timed: nothing compiles while a call is timed); then the default runs on fresh
 random inputs, and each variant, with the allocator poisoned with NaN before its first call,
 must match the default's outputs on the same inputs (max |variant - default| / max |default|
-<= --max-rel-err, no NaN) before it is timed (`timing.time_compiled`: warm-up, K calls
-enqueued, one sync, median of the repeats). A variant that does not fit the shared memory,
+<= --max-rel-err, no NaN) before it is timed. The checked calls of a shape are timed together,
+their repeats interleaved (`timing.time_interleaved`: warm-up, then rounds in which each runs
+one repeat of K calls enqueued and one sync, in an order rotated every round; the median of its
+repeats), so that the device's drift during the call falls on all variants alike; the default's
+executable runs among them twice, the second as `default_again`, whose ratio to the default is
+the noise to read the variants' ratios against. A variant that does not fit the shared memory,
 matches nothing new (the same kernels as the default), fails or is wrong gets a row saying so
-and is not timed. Past --budget-s the rest is recorded as skipped. After the variants the
-default is timed again (`default_again`: the drift to read the ratios against). The table
+and is not timed. Past --budget-s the rest is recorded as skipped. The table
 printed at the end has one line per variant, TFLOP/s and the ratio to the default per shape and
 pass; the winners go into config.DEFAULTS.
 
@@ -303,43 +306,57 @@ def run(shapes: list[Shape], cfg: TuneConfig, emit, interpret: bool, ctx: dict |
 
 
 def _time_shape(shape, index, order, why, compiled, cfg: TuneConfig, emit, ctx, over_budget, log):
-  """Checks and times one shape's variants (the default first); `compiled` None: skipped."""
+  """Checks one shape's variants against the default (checked first), then times the ones that
+  passed together, their repeats interleaved (`timing.time_interleaved`), with the default's
+  executable a second time as `default_again`: its ratio to the default is the noise that the
+  variants' ratios are to be read against. `compiled` None: skipped. Emits the shape's rows in
+  `order` once they are all known."""
   inputs = None if compiled is None else impls_lib.random_inputs(shape, cfg.jnp_dtype,
                                                                  cfg.seed + index)
-  default_out, default_tflops = {}, {}
+  default_out = {}
   poison_bytes = max(256 << 20, 4 * sum(x.size * x.dtype.itemsize for x in inputs or ()))
+  rows, to_time = [], []  # to_time: (row, executable, args) checked, to be timed together
   for name in order:
     for p in cfg.passes:
       row = _row(ctx, name, shape, p, cfg)
+      rows.append(row)
       if why[name] is not None:
-        kind = "same" if why[name].startswith("same") else "unsupported"
-        emit(_skip(row, kind, why[name]))
-        continue
-      if not changes_pass(name, shape, p):
-        emit(_skip(row, "same", f"runs the default's kernels in {p}"))
-        continue
-      if compiled is None or over_budget():
-        emit(_skip(row, "skipped", "skipped: --budget-s exhausted"))
-        continue
-      log(f"{name} {p} {shape.name}")
-      emit(_measure(row, name, p, compiled[(name, p)], inputs, default_out, default_tflops,
-                    poison_bytes, cfg))
-  # The default once more, last: its ratio to the first measurement is the drift and noise
-  # that the variants' ratios are to be read against.
-  for p in cfg.passes:
-    if compiled is not None and why[_DEFAULT] is None and not over_budget():
-      row = _row(ctx, _DEFAULT, shape, p, cfg)
-      row["variant"] = DEFAULT_AGAIN
-      emit(_measure(row, DEFAULT_AGAIN, p, compiled[(_DEFAULT, p)], inputs, default_out,
-                    default_tflops, poison_bytes, cfg))
+        _skip(row, "same" if why[name].startswith("same") else "unsupported", why[name])
+      elif not changes_pass(name, shape, p):
+        _skip(row, "same", f"runs the default's kernels in {p}")
+      elif compiled is None or over_budget():
+        _skip(row, "skipped", "skipped: --budget-s exhausted")
+      else:
+        log(f"{name} {p} {shape.name}")
+        checked = _check(row, name, p, compiled[(name, p)], inputs, default_out, poison_bytes,
+                         cfg)
+        if checked is not None:
+          to_time.append((row, *checked))
+  for row, executable, args in list(to_time):
+    if row["variant"] == _DEFAULT:
+      again = dict(_row(ctx, _DEFAULT, shape, row["pass"], cfg), variant=DEFAULT_AGAIN,
+                   compile_s=row["compile_s"], max_rel_err_vs_default=0.0)
+      rows.append(again)
+      to_time.append((again, executable, args))
+  if to_time:
+    timings = timing.time_interleaved([(fn, args) for _, fn, args in to_time], cfg.timing)
+    for (row, _, _), t in zip(to_time, timings):
+      row["ms"], row["calls_per_repeat"] = t.ms, t.calls
+      row["tflops"] = row["flops"] / t.ms / 1e9
+  default_tflops = {r["pass"]: r["tflops"] for r in rows if r["variant"] == _DEFAULT}
+  for row in rows:
+    if row["tflops"] and default_tflops.get(row["pass"]):
+      row["ratio_to_default"] = row["tflops"] / default_tflops[row["pass"]]
+    emit(row)
 
 
-def _measure(row, name, pass_, compiled, inputs, default_out, default_tflops,
-             poison_bytes, cfg: TuneConfig) -> dict:
+def _check(row, name, pass_, compiled, inputs, default_out, poison_bytes, cfg: TuneConfig):
+  """The variant's first call (on poisoned memory) against the default's output: (executable,
+  args) to be timed, or None with the row's error set."""
   (result, ptxas_text), err = compiled
   if err is not None:
     row["error_kind"], row["error"] = memory.describe_error(err)
-    return row
+    return None
   executable, row["compile_s"] = result
   args = inputs[:3] if pass_ == "fwd" else inputs
   captured: list[str] = []
@@ -350,34 +367,26 @@ def _measure(row, name, pass_, compiled, inputs, default_out, default_tflops,
     if name == _DEFAULT:
       if sweep.max_rel_err(first, first) is None:  # NaN where the poison was left unwritten
         row["error_kind"], row["error"] = "wrong", "wrong: non-finite values (not timed)"
-        return row
+        return None
       default_out[pass_] = first
     elif pass_ not in default_out:
       row["error_kind"], row["error"] = "error", "not checked (the default failed): not timed"
-      return row
+      return None
     else:
       rel = sweep.max_rel_err(first, default_out[pass_])
       row["max_rel_err_vs_default"] = rel
       if rel is None or rel > cfg.max_rel_err:
         what = "non-finite values" if rel is None else f"rel err {rel:.2e} vs the default"
         row["error_kind"], row["error"] = "wrong", f"wrong: {what} (not timed)"
-        return row
+        return None
     del first
-    t, _ = timing.time_compiled(executable, args, cfg.timing)
   except Exception as e:  # pylint: disable=broad-except
     row["error_kind"], row["error"] = memory.describe_error(e)
-    return row
+    return None
   finally:
     if cfg.ptxas:
-      compiled_text = "" if name == DEFAULT_AGAIN else ptxas_text or ""  # (counted once)
-      row["ptxas"] = parse_ptxas(compiled_text + "".join(captured))
-  row["ms"], row["calls_per_repeat"] = t.ms, t.calls
-  row["tflops"] = row["flops"] / t.ms / 1e9
-  if name == _DEFAULT:
-    default_tflops[pass_] = row["tflops"]
-  if default_tflops.get(pass_):
-    row["ratio_to_default"] = row["tflops"] / default_tflops[pass_]
-  return row
+      row["ptxas"] = parse_ptxas((ptxas_text or "") + "".join(captured))
+  return executable, args
 
 
 # ---- the table ------------------------------------------------------------------------------

@@ -5,6 +5,7 @@
   test and parametrization, identical from run to run, so a failure reproduces).
 - tests/ is put on sys.path so that `import cases` works under any --import-mode.
 - CPU-only runs compile with fewer LLVM optimizations (see below): compile time dominates.
+- GPU runs compile the dense references without GEMM autotuning (see below).
 - The CPU backend has 8 (simulated) devices, for the multi-device tests (`multidevice.py`).
 Nothing here skips tests: the `gpu` marker is deselected by pyproject's addopts, not skipped.
 """
@@ -31,6 +32,15 @@ if os.environ.get("PALLAS_ATTN_TEST_FULL_OPT") != "1" and not _has_gpu_plugin():
     if _flag.split("=")[0] not in _flags:
       _flags = f"{_flags} {_flag}".strip()
   os.environ["XLA_FLAGS"] = _flags
+
+# GPU runs: the `gpu` tests compare the kernels with XLA's dense references, whose speed does not
+# matter, and several test workers share the one GPU. XLA's GEMM autotuning of those references
+# time-slices the GPU between the workers (the sweep measured compiles 6-20x slower with 15
+# processes autotuning at once: benchmarks/NOTES.md session 6), so it is off here (level 0: XLA's
+# default GEMM configs). Not when PALLAS_ATTN_TEST_FULL_OPT=1 or XLA_FLAGS already sets it.
+if (os.environ.get("PALLAS_ATTN_TEST_FULL_OPT") != "1" and _has_gpu_plugin()
+    and "--xla_gpu_autotune_level" not in os.environ.get("XLA_FLAGS", "")):
+  os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} --xla_gpu_autotune_level=0".strip()
 
 # The multi-device tests (test_sharding.py, test_ring.py) run on simulated CPU devices, which XLA
 # makes when asked before it creates the CPU backend. Tests on one device use the first one and

@@ -4,6 +4,7 @@ out-of-memory search, the results files' schema, and the notebook executed in it
 import json
 import pathlib
 import sys
+import time
 
 import pytest
 
@@ -277,6 +278,36 @@ def test_ring_benchmark_cpu_smoke(tmp_path):
   assert summary[2]["speedup"] > 0 and summary[2]["scaling_efficiency"] > 0
   assert summary[2]["exposed_comm_ms"] is not None
   assert summary[2]["overlap"] is None or 0.0 <= summary[2]["overlap"] <= 1.0
+
+
+def test_time_interleaved_rotates_the_order_and_keeps_each_functions_calls():
+  """Each round runs one repeat of every function, starting one later each round; a function's
+  calls per repeat come from its own warm-up (a slow one gets fewer); each gets `repeats`
+  repeats and the median of them."""
+  log = []
+
+  def recorder(name, seconds):
+    def fn(x):
+      log.append(name)
+      time.sleep(seconds)
+      return x
+    return fn
+
+  x = jnp.ones(())
+  cfg = timing.TimingConfig(warmup=1, repeats=3, max_calls=4, target_repeat_s=0.02)
+  fast, slow, third = recorder("a", 0.0), recorder("b", 0.03), recorder("c", 0.0)
+  timings = timing.time_interleaved([(fast, (x,)), (slow, (x,)), (third, (x,))], cfg)
+  assert [t.calls for t in timings] == [4, 1, 4]
+  assert [len(t.repeat_ms) for t in timings] == [3, 3, 3]
+  assert timings[1].ms >= 30 > timings[0].ms
+  timed = log[3:]  # after one warm-up call each
+  starts, i = [], 0
+  for _ in range(3):  # three rounds: a run of calls per function, in a rotated order
+    starts.append(timed[i])
+    for _ in range(3):
+      name = timed[i]
+      i += {"a": 4, "b": 1, "c": 4}[name]
+  assert starts == ["a", "b", "c"] and i == len(timed)
 
 
 # ---- benchmarks/tune.py: kernel config variants ----------------------------------------------
