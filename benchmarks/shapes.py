@@ -143,6 +143,7 @@ PRESETS = {
                       + long_context(seqs=(32768,), causal=(True,))),
     "fa": fa_sweep,
     "fa_quick": lambda: fa_sweep(seqs=(1024, 4096, 16384)),
+    "fa_d256": lambda: fa_sweep(head_dims=(256,)),
     # The four shapes issue #3's closing table quotes (head_dim 128, N = 4096 / 16384).
     "d128_anchors": lambda: fa_sweep(seqs=(4096, 16384), head_dims=(128,)),
     "long": long_context,
@@ -156,6 +157,8 @@ PRESETS = {
     # cuDNN are the largest: forward at d64, forward+backward at d256).
     "tune_mix": lambda: (fa_sweep(seqs=(4096,), head_dims=(128,))
                          + fa_sweep(seqs=(4096,), head_dims=(64, 256), causal=(False,))),
+    # head_dim 256, both passes' anchors (the dK/dV layouts: benchmarks/NOTES.md session 8).
+    "tune_d256": lambda: fa_sweep(seqs=(4096, 16384), head_dims=(256,)),
     # One d128 causal shape (benchmarks/tune.py --ptxas: registers hardly depend on the shape).
     "tune_d128": lambda: fa_sweep(seqs=(4096,), head_dims=(128,), causal=(True,)),
     # benchmarks/tune.py's CPU smoke test: one causal shape, one head.

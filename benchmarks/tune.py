@@ -116,6 +116,18 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_fused_dq": {"dkv": dict(fused_dq=True)},
     "dkv_fused_dq_q128": {"dkv": dict(fused_dq=True, block_q=128)},
     "dkv_fused_dq_1st": {"dkv": dict(fused_dq=True, stages=1)},
+    # head_dim 256 (128 too): one key tile shared by both warpgroups, dK and dV split by columns
+    # (benchmarks/NOTES.md session 8), against split_dkv's two launches.
+    "dkv_head_split": {"dkv": dict(head_split=True, split_dkv=False, stages=2)},
+    "dkv_head_split_1st": {"dkv": dict(head_split=True, split_dkv=False, stages=1)},
+    "dq_head_split": {"dq": dict(head_split=True, stages=2)},
+    "dq_head_split_1st": {"dq": dict(head_split=True, stages=1)},
+    "head_split": {"dq": dict(head_split=True, stages=2),
+                   "dkv": dict(head_split=True, split_dkv=False, stages=2)},
+    # head_dim 256 before session 8: dV, then dK, in two launches with one-slot rings; dQ with
+    # its [64, 256] accumulator and a one-slot ring.
+    "dkv_split_launches": {"dkv": dict(head_split=False, split_dkv=True, stages=1)},
+    "dq_one_warpgroup_1st": {"dq": dict(head_split=False, stages=1)},
     # h. The fused dQ in column halves (FA3's layout: each warpgroup half of dQ's columns from
     # both warpgroups' dS^T; head_dim >= 128).
     "dkv_dq_halves": {"dkv": dict(fused_dq=True, dq_column_halves=True)},
@@ -141,8 +153,13 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   """Why variant `name` is not measured at `shape` (None: it is): an invalid or oversized config,
   or the same configs as the default's."""
   table_dkv = config_lib.kernel_config(shape.head_dim, "dkv")
-  if VARIANTS[name].get("dkv", {}).get("fused_dq") and table_dkv.split_dkv:
-    return f"does not apply: head_dim {shape.head_dim} makes dK and dV in two launches"
+  if VARIANTS[name].get("dkv", {}).get("fused_dq") and (table_dkv.split_dkv
+                                                        or table_dkv.head_split):
+    return f"does not apply: head_dim {shape.head_dim} splits dK and dV"
+  if VARIANTS[name].get("dkv", {}).get("split_dkv") and shape.head_dim != 256:
+    return f"does not apply: dK and dV in two launches is head_dim 256's, not {shape.head_dim}'s"
+  if any(c.get("head_split") for c in VARIANTS[name].values()) and shape.head_dim % 128:
+    return f"does not apply: head_split needs head_dim a multiple of 128, not {shape.head_dim}"
   if VARIANTS[name].get("dkv", {}).get("dq_column_halves") and shape.head_dim < 128:
     return f"does not apply: dQ column halves need head_dim >= 128, not {shape.head_dim}"
   try:

@@ -110,6 +110,9 @@ _VARIANTS = {
     "overlap_qk_no_ping_pong": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False)},
     "fold_scale_ro_store": {"fwd": _K(64, 128, fold_scale=True, read_only_store_wait=True)},
     "fold_scale_overlap_qk": {"fwd": _K(64, 64, stages=3, overlap_qk=True, fold_scale=True)},
+    # head_dim 256's backward before the head split: dQ with a [64, 256] accumulator per
+    # warpgroup; dV, then dK, in two launches.
+    "split_launches": {"dq": _K(64, 64, stages=1), "dkv": _K(64, 64, stages=1, split_dkv=True)},
     "fused_dq": {"dkv": _K(64, 64, fused_dq=True)},
     "fused_dq_q128": {"dkv": _K(128, 64, fused_dq=True)},
     "dq_column_halves": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True)},
@@ -160,6 +163,7 @@ _VARIANT_CASES = [
     ("dq_column_halves", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
     ("dq_column_halves", cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
     ("dq_column_halves_1stage", cases.get_case("window_l32_r8_203x113").replace(head_dim=128)),
+    ("split_launches", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     ("persistent", _GQA_203),
     ("persistent", _GQA_CAUSAL_203),
     ("persistent", cases.get_case("lengths_kv0_113x203")),  # items with no key at all

@@ -97,14 +97,30 @@ def block_visibility(spec: mask_lib.MaskSpec, q_lengths, kv_lengths, *, block_q:
   return BlockVisibility(visible, full & visible)
 
 
-def query_major(visibility: BlockVisibility) -> BlockTable:
-  """The forward and dQ kernels' table: key blocks per CTA of COMPUTE_WARPGROUPS query blocks."""
-  return _compact(visibility)
+def query_major(visibility: BlockVisibility, rows_per_cta: int = config_lib.COMPUTE_WARPGROUPS
+                ) -> BlockTable:
+  """The forward and dQ kernels' table: key blocks per CTA of COMPUTE_WARPGROUPS query blocks.
+  `rows_per_cta=1` (the head-split dQ kernel, whose warpgroups share one query block): one list
+  per query block, every warpgroup's mode that block's."""
+  return _compact(_rows_per_cta(visibility, rows_per_cta))
 
 
-def key_major(visibility: BlockVisibility) -> BlockTable:
-  """The dK/dV kernel's table: query blocks per CTA of COMPUTE_WARPGROUPS key blocks."""
-  return _compact(visibility.transposed())
+def key_major(visibility: BlockVisibility, rows_per_cta: int = config_lib.COMPUTE_WARPGROUPS
+              ) -> BlockTable:
+  """The dK/dV kernel's table: query blocks per CTA of COMPUTE_WARPGROUPS key blocks (or one key
+  block: `rows_per_cta=1`, the head-split dK/dV kernel; see `query_major`)."""
+  return _compact(_rows_per_cta(visibility.transposed(), rows_per_cta))
+
+
+def _rows_per_cta(visibility: BlockVisibility, rows_per_cta: int) -> BlockVisibility:
+  """`visibility` with each row repeated for every warpgroup of its CTA when a CTA takes one
+  row (`_compact` groups COMPUTE_WARPGROUPS rows per CTA)."""
+  wgs = config_lib.COMPUTE_WARPGROUPS
+  if rows_per_cta == wgs:
+    return visibility
+  if rows_per_cta != 1:
+    raise ValueError(f"rows_per_cta must be 1 or {wgs}, got {rows_per_cta}")
+  return BlockVisibility(*(jnp.repeat(x, wgs, axis=2) for x in visibility))
 
 
 def _compact(visibility: BlockVisibility) -> BlockTable:

@@ -33,6 +33,7 @@ from pallas_attn import mask as mask_lib
 from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import common
 from pallas_attn.mosaic_gpu import config as config_lib
+from pallas_attn.mosaic_gpu import head_split
 from pallas_attn.mosaic_gpu import mods as mods_lib
 
 _WGS = config_lib.COMPUTE_WARPGROUPS
@@ -147,7 +148,11 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
        mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays(),
        table: block_table.BlockTable | None = None):
   """dQ [B, T, Hq, D] in q.dtype. Shapes as in `fwd.forward`; lse, delta [B, Hq, T] float32.
-  `table`: `block_table.query_major` at (cfg.block_q, cfg.block_kv), or None (positions)."""
+  `table`: `block_table.query_major` at (cfg.block_q, cfg.block_kv) (`rows_per_cta=1` with
+  `cfg.head_split`), or None (positions)."""
+  if cfg.head_split:
+    return head_split.dq(q, k, v, d_out, lse, delta, kv_lengths, scale=scale, spec=spec, cfg=cfg,
+                         interpret=interpret, mods=mods, mod_arrays=mod_arrays, table=table)
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   num_q_tiles = q_len // (_WGS * cfg.block_q)
@@ -172,7 +177,10 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
 
 
 def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
-  """The dQ kernel's shared memory and barriers (the order `_dq_kernel` takes them in)."""
+  """The dQ kernel's shared memory and barriers (the order `_dq_kernel` takes them in;
+  `head_split.dq_scratch_types` with cfg.head_split)."""
+  if cfg.head_split:
+    return head_split.dq_scratch_types(cfg, head_dim, dtype, interpret)
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   return [
       tile(_WGS, cfg.block_q, head_dim),  # q, then dq out
@@ -388,9 +396,9 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
         table: block_table.BlockTable | None = None):
   """(dK, dV) [B, S, Hkv, D] in k.dtype, summed over each kv head's query-head group.
 
-  `table`: `block_table.key_major` at (cfg.block_q, cfg.block_kv), with a heads axis of 1 or
-  heads_kv (one list per kv head, shared by its query-head group), or None (the positional
-  ranges).
+  `table`: `block_table.key_major` at (cfg.block_q, cfg.block_kv) (`rows_per_cta=1` with
+  `cfg.head_split`), with a heads axis of 1 or heads_kv (one list per kv head, shared by its
+  query-head group), or None (the positional ranges).
   A bias / mask in `mod_arrays` is transposed here (one XLA transpose: a copy of its size) for
   the kernel to read [keys, queries] tiles.
 
@@ -404,9 +412,13 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   if cfg.reverse_q_tiles:
     raise ValueError("reverse_q_tiles is a forward / dQ option: the dK/dV kernel's grid runs over "
                      "key tiles")
-  passes = (("dv",), ("dk",)) if cfg.split_dkv else (("dk", "dv"),)
   # The kernel's tiles are [keys, queries]: it reads bias and mask transposed.
   mod_arrays = mod_arrays.transposed_pairs()
+  if cfg.head_split:
+    return head_split.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays,
+                              table, scale=scale, spec=spec, cfg=cfg, interpret=interpret,
+                              mods=mods)
+  passes = (("dv",), ("dk",)) if cfg.split_dkv else (("dk", "dv"),)
   grads = {}
   for outputs in passes:
     grads.update(zip(outputs, _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
@@ -474,8 +486,11 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, tab
 
 def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool,
                       fused_dq: bool | None = None) -> list:
-  """The dK/dV kernel's shared memory and barriers (the order `_dkv_kernel` takes them in);
-  `fused_dq` (default: cfg.fused_dq) adds the dS^T and float32 dQ tiles of `dqkv`."""
+  """The dK/dV kernel's shared memory and barriers (the order `_dkv_kernel` takes them in;
+  `head_split.dkv_scratch_types` with cfg.head_split); `fused_dq` (default: cfg.fused_dq) adds
+  the dS^T and float32 dQ tiles of `dqkv`."""
+  if cfg.head_split:
+    return head_split.dkv_scratch_types(cfg, head_dim, dtype, interpret)
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
   fused_dq = cfg.fused_dq if fused_dq is None else fused_dq

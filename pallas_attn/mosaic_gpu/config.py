@@ -11,14 +11,15 @@ not. The arithmetic, bf16/f16 (2 bytes):
 - forward: q/o tiles 2 * block_q * head_dim * 2, K and V rings 2 * stages * block_kv * head_dim * 2.
   head_dim 128, block_q 64, block_kv 128, 2 stages: 32 + 64 + 64 = 160 KiB; block_kv 192: 224 KiB
   (+ 1 KiB lse, 1 KiB barriers: fits). head_dim 256, block_kv 64, 2 stages: 64 + 128 = 192 KiB.
-- dQ: q and dO tiles per compute warpgroup, the same K/V ring. head_dim 256: q and dO take
-  128 KiB, so the ring gets one slot (two would need 256 KiB).
+- dQ: q and dO tiles per compute warpgroup, the same K/V ring. head_dim 256 (`head_split`: one
+  q and dO tile shared by both warpgroups): 64 KiB, and a two-slot ring of 128 KiB.
 - dK/dV: K and V tiles per compute warpgroup, a ring of q/dO tiles (block_q rows each).
 Registers bound the accumulators (232 per thread of a compute warpgroup): the forward's S tile
 [64, block_kv] float32 takes block_kv / 2 registers per thread, the accumulator head_dim / 2; dQ
 holds S, dP (block_kv / 2 each) and dQ (head_dim / 2); dK/dV holds dK and dV (head_dim / 2
 each for a 64-row key tile) plus S^T and dP^T (block_q / 2 each), which is why head_dim 256
-splits dK and dV into two launches (`split_dkv`).
+splits dK and dV by columns between the two warpgroups (`head_split`; before it, into two
+launches: `split_dkv`).
 """
 
 from __future__ import annotations
@@ -101,6 +102,13 @@ class KernelConfig:
   # the q tile and the next q waits for the store to read it). A field of this frozen dataclass
   # like the others, so it keys jax's caches and the tuner can vary it.
   persistent: bool = False
+  # dQ and dK/dV, head_dim 256 (and 128): both compute warpgroups share one tile of block_q
+  # query rows (dQ) or block_kv key rows (dK/dV); warpgroup 0 makes S, P and dS, warpgroup 1 dP,
+  # the tiles meeting in shared memory, and each accumulates one half of the accumulators'
+  # columns ([64, head_dim / 2] float32 each: `head_split`). dK/dV: four matmuls per tile pair in
+  # one launch, where `split_dkv`'s two launches make five with [64, 256] accumulators that
+  # spill; dQ: the [64, 256] dQ accumulator beside S and dP spills.
+  head_split: bool = False
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_kv % 64 or not (self.block_q and self.block_kv):
@@ -116,6 +124,8 @@ class KernelConfig:
                        f"stages={self.stages}, ping_pong={self.ping_pong}")
     if self.fused_dq and self.split_dkv:
       raise ValueError("fused_dq needs dK and dV from one launch (split_dkv=False)")
+    if self.head_split and (self.split_dkv or self.fused_dq):
+      raise ValueError("head_split is a layout of its own: it takes no split_dkv or fused_dq")
     if self.dq_column_halves and not self.fused_dq:
       raise ValueError("dq_column_halves is a layout of the fused dQ: it needs fused_dq=True")
     if sorted(self.grid_order) != sorted(GRID_AXES):
@@ -147,13 +157,19 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True),
     (64, "dq"): KernelConfig(block_q=64, block_kv=64),
     (128, "dq"): KernelConfig(block_q=64, block_kv=64),
-    (256, "dq"): KernelConfig(block_q=64, block_kv=64, stages=1),
+    # head_dim 256: dQ split by columns between the warpgroups of one query tile, two stages
+    # (H200, fwd+bwd 1.10-1.12x the one-slot [64, 256] dQ kernel, which spills 800 B a thread;
+    # one stage 0.89-0.97x; benchmarks/NOTES.md session 8).
+    (256, "dq"): KernelConfig(block_q=64, block_kv=64, head_split=True),
     # head_dim 64: dQ from the dK/dV kernel, 128-row query blocks (H200, b4 s4096 h32 d64,
     # fwd+bwd: 1.09x and 1.10x the separate dQ kernel in two runs; benchmarks/NOTES.md session 5).
     # At head_dim 128 the fused kernel spills (dK, dV and the dQ part) and is 0.93-0.98x: not used.
     (64, "dkv"): KernelConfig(block_q=128, block_kv=64, fused_dq=True),
     (128, "dkv"): KernelConfig(block_q=64, block_kv=64),
-    (256, "dkv"): KernelConfig(block_q=64, block_kv=64, stages=1, split_dkv=True),
+    # head_dim 256: dK and dV split by columns between the warpgroups of one key tile (H200,
+    # fwd+bwd 1.33-1.41x split_dkv's two launches at N 4096 / 16384, causal and not, in one tuner
+    # run; benchmarks/NOTES.md session 8).
+    (256, "dkv"): KernelConfig(block_q=64, block_kv=64, head_split=True),
 }
 
 

@@ -261,13 +261,16 @@ def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_le
     dkv_visibility = block_mask.group_union(dkv_visibility, q.shape[2] // k.shape[2])
   common = dict(scale=static.scale, spec=static.spec, interpret=static.interpret,
                 mods=static.mods, mod_arrays=padded_arrays)
-  dkv_table = _table(dkv_visibility, block_table.key_major)
+  dkv_table = _table(dkv_visibility, functools.partial(
+      block_table.key_major, rows_per_cta=1 if static.dkv_cfg.head_split else _WGS))
   if fused_dq:  # one launch: dK/dV with dQ added in
     dq, dk, dv = bwd.dqkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
                           cfg=static.dkv_cfg, table=dkv_table, **common)
   else:
     dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg,
-                table=_table(dq_visibility, block_table.query_major), **common)
+                table=_table(dq_visibility, functools.partial(
+                    block_table.query_major,
+                    rows_per_cta=1 if static.dq_cfg.head_split else _WGS)), **common)
     if static.interpret:
       # The interpreter keeps one global model of shared memory and runs each warpgroup as a
       # thread that blocks on barriers; two kernels interpreted at once (XLA may run the

@@ -1,0 +1,184 @@
+"""The head-split dQ and dK/dV kernels (`KernelConfig.head_split`, `mosaic_gpu/head_split.py`):
+both compute warpgroups on one query (dQ) or key (dK/dV) tile, the accumulators split by
+columns, P / dP / dS meeting in shared memory.
+
+Interpreted (CPU): the positional masks, GQA sums, lengths, rows with no key, one and two stages,
+the modifiers (soft-cap, ALiBi per head, segment ids through the block table) and dropout, at
+head_dim 128 and 256, against the references; the interpreter's race detector watches the
+meetings. Lowered for CUDA: the real Mosaic GPU lowering and the shared-memory budget at 256.
+The `gpu` tests compile it on a Hopper GPU:
+  PYTHONPATH=. python3 -m pytest -m gpu tests/test_mosaic_gpu_head_split.py
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import cases
+import pallas_attn
+import test_mosaic_gpu_dropout as dropout_tests
+import test_mosaic_gpu_mods as mods_tests
+from pallas_attn.mosaic_gpu import block_table
+from pallas_attn.mosaic_gpu import config as config_lib
+from pallas_attn.mosaic_gpu import ops
+from test_mosaic_gpu import _poison_allocator, kernel_table
+
+_K = config_lib.KernelConfig
+HEAD_SPLIT = _K(64, 64, head_split=True)
+HEAD_SPLIT_1STAGE = _K(64, 64, stages=1, head_split=True)
+
+
+def _both(cfg):
+  """The table's dQ and dK/dV entries both `cfg`."""
+  return {"dq": cfg, "dkv": cfg}
+
+
+def _no_race():
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  assert interpret_pallas_call.get_races().races_found is False
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU: the interpreter.
+
+_CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_203x203")
+_INTERPRETED = [
+    # Several query blocks per key tile on both sides of the diagonal.
+    (HEAD_SPLIT, _CAUSAL_203.replace(head_dim=256)),
+    # A group of 4 query heads summed per kv head.
+    (HEAD_SPLIT, cases.get_case("mqa_113x203").replace(head_dim=256)),
+    # Key lengths (a tile straddling one, tiles wholly past one), rows with no key.
+    (HEAD_SPLIT, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    (HEAD_SPLIT_1STAGE, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
+    (HEAD_SPLIT_1STAGE, cases.get_case("window_l32_r8_203x113").replace(head_dim=128)),
+]
+
+
+@pytest.mark.parametrize("cfg,case", [
+    pytest.param(cfg, c.replace(dtype=cases.BF16), id=f"{cfg.stages}st-{c.name}-d{c.head_dim}")
+    for cfg, c in _INTERPRETED])
+def test_interpreted_head_split_matches_reference(cfg, case, seed):
+  with kernel_table(case.head_dim, _both(cfg)):
+    cases.check_case(case, "mosaic_gpu", interpret=True, seed=seed)
+  _no_race()
+
+
+def test_interpreted_head_split_dq_reversed_beside_plain_dkv(seed):
+  """The dQ kernel alone split (the dK/dV kernel the plain one), its query tiles last first."""
+  case = _CAUSAL_203.replace(head_dim=128, dtype=cases.BF16)
+  with kernel_table(128, {"dq": _K(64, 64, head_split=True, reverse_q_tiles=True)}):
+    cases.check_case(case, "mosaic_gpu", interpret=True, seed=seed)
+  _no_race()
+
+
+@pytest.mark.parametrize("name,head_dim", [("all_gqa_lengths_113x203", 256),
+                                           ("segments_causal_150x150", 128)])
+def test_interpreted_head_split_with_modifiers(name, head_dim, seed):
+  """Soft-cap (dS times its derivative), ALiBi per query head of the group, segment ids (the
+  block table with one list per key tile), lengths."""
+  with kernel_table(head_dim, _both(HEAD_SPLIT)):
+    mods_tests._check(mods_tests._CASES[name].with_base(head_dim=head_dim), seed,
+                      interpret=True)
+  _no_race()
+
+
+def test_interpreted_head_split_with_dropout(seed):
+  """Warpgroup 0 regenerates the keep-mask: dV takes the dropped P, dP is dropped before dS."""
+  with kernel_table(256, _both(HEAD_SPLIT)):
+    batch, q_len, kv_len, heads_q, heads_kv, is_causal, broadcast = (
+        dropout_tests._CASES["gqa_causal_77x150"])
+    dropout_tests._check(batch, q_len, kv_len, heads_q, heads_kv, is_causal, broadcast,
+                         seed=seed, interpret=True, head_dim=256)
+  _no_race()
+
+
+def test_tables_with_one_block_per_cta():
+  """rows_per_cta=1: one list per key block (key_major) or query block (query_major), both
+  warpgroups' modes that block's."""
+  visible = jnp.array([[1, 0, 1], [0, 0, 1], [1, 1, 1], [0, 0, 0]], bool).T  # [q 3, kv 4]
+  full = visible & jnp.array([[1, 0, 0], [0, 0, 1], [0, 1, 1], [0, 0, 0]], bool).T
+  vis = block_table.BlockVisibility(visible[None, None], full[None, None])
+  table = block_table.key_major(vis, rows_per_cta=1)
+  assert table.counts.tolist() == [[[2, 1, 3, 0]]]
+  for tile, want in enumerate([[(0, 2), (2, 1)], [(2, 2)], [(0, 1), (1, 2), (2, 2)], []]):
+    got = []
+    for entry in np.asarray(table.entries[0, 0, tile, :len(want)]):
+      block, mode0 = block_table.decode(entry, 0)
+      assert block_table.decode(entry, 1)[1] == mode0
+      got.append((int(block), int(mode0)))
+    assert got == want, (tile, got)
+  by_query = block_table.query_major(vis, rows_per_cta=1)
+  assert by_query.counts.tolist() == [[[2, 1, 3]]]
+  assert [int(block_table.decode(e, 1)[0]) for e in by_query.entries[0, 0, 1, :1]] == [2]
+  with pytest.raises(ValueError, match="rows_per_cta"):
+    block_table.key_major(vis, rows_per_cta=3)
+
+
+def test_head_split_config_is_checked():
+  with pytest.raises(ValueError, match="head_split"):
+    _K(64, 64, head_split=True, split_dkv=True)
+  with pytest.raises(ValueError, match="head_split"):
+    _K(64, 64, head_split=True, fused_dq=True)
+  q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    stats = jnp.zeros((1, 1, 64), jnp.float32)
+    ops.backward(q, q, q, q, stats, stats, None, None, scale=1.0, spec=pallas_attn.MaskSpec(),
+                 interpret=True, dkv_cfg=HEAD_SPLIT)
+  with pytest.raises(ValueError, match="multiple of 128"):
+    ops.backward(q, q, q, q, stats, stats, None, None, scale=1.0, spec=pallas_attn.MaskSpec(),
+                 interpret=True, dq_cfg=HEAD_SPLIT, dkv_cfg=_K(64, 64))  # (not fused)
+
+
+@pytest.mark.parametrize("head_dim,cfg", [(256, HEAD_SPLIT), (128, HEAD_SPLIT),
+                                          (256, HEAD_SPLIT_1STAGE)])
+def test_head_split_lowers_for_cuda(head_dim, cfg):
+  """The real lowering (the interpreter runs neither register operands nor the TMA rules), and
+  the shared-memory check: two stages fit at head_dim 256 (dK/dV 226 KiB, dQ 218 KiB)."""
+  q = jax.ShapeDtypeStruct((1, 300, 2, head_dim), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out, _ = ops.attention(q, k, v, None, None, scale=0.1,
+                           spec=pallas_attn.MaskSpec(is_causal=True), dq_cfg=cfg, dkv_cfg=cfg)
+    return out.astype(jnp.float32).sum()
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
+      lowering_platforms=("cuda",))
+  assert lowered.as_text().count("mosaic_gpu_v2") == 3  # forward, dQ, one dK/dV
+
+
+# ---------------------------------------------------------------------------------------------
+# GPU: real compilation on a Hopper GPU.
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    pytest.param(c.replace(dtype=cases.BF16, head_dim=d), id=f"{c.name}-d{d}")
+    for d in (256, 128)
+    for c in (cases.get_case("causal_1023x1024"), cases.get_case("mha_1000x1000"),
+              cases.get_case("gqa_causal_window_lengths_1000x1000"),
+              cases.get_case("gqa_causal_lengths_113x203"))])
+def test_gpu_head_split_matches_reference(case, seed):
+  with kernel_table(case.head_dim, _both(HEAD_SPLIT)):
+    _poison_allocator(64 << 20)
+    cases.check_case(case, "mosaic_gpu", seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(mods_tests._CASES))
+def test_gpu_head_split_with_modifiers(name, seed):
+  with kernel_table(256, _both(HEAD_SPLIT)):
+    _poison_allocator(64 << 20)
+    mods_tests._check(mods_tests._CASES[name].with_base(head_dim=256), seed, interpret=False)
+
+
+@pytest.mark.gpu
+def test_gpu_head_split_with_dropout(seed):
+  with kernel_table(256, _both(HEAD_SPLIT)):
+    _poison_allocator(64 << 20)
+    batch, _, _, heads_q, heads_kv, is_causal, broadcast = (
+        dropout_tests._CASES["gqa_causal_77x150"])
+    dropout_tests._check(batch, 1000, 1000, heads_q, heads_kv, is_causal, broadcast,
+                         seed=seed, interpret=False, head_dim=256)
