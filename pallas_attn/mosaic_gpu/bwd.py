@@ -52,10 +52,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("heads")
-  wg = lax.axis_index("wg")
-  kv_head = lax.div(head, groups)
+  batch, head, kv_head, wg = common.query_head_position(groups)
   kv_length = kv_len_ref[batch]
 
   q_tile = common.tile_index("q_tiles", num_q_tiles, cfg.reverse_q_tiles)
@@ -159,21 +156,12 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
   kernel = functools.partial(_dq_kernel, spec=spec, scale=scale, cfg=cfg, num_q_tiles=num_q_tiles,
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
                              mods=mods)
-  params = common.compiler_params_within_smem(
-      dq_scratch_types(cfg, head_dim, q.dtype, interpret=False), f"the dQ kernel with {cfg}",
-      reduces=False)
   grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
-  return plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      scratch_types=dq_scratch_types(cfg, head_dim, q.dtype, interpret),
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=_WGS + 1,
-      thread_name="wg",
-      compiler_params=params,
-      interpret=common.interpret_params(interpret),
-  )(q, k, v, d_out, lse, delta, kv_lengths, mod_arrays, table)
+  return common.warp_specialized(
+      kernel, lambda interp: dq_scratch_types(cfg, head_dim, q.dtype, interp),
+      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=grid, grid_names=grid_names,
+      what=f"the dQ kernel with {cfg}", reduces=False,
+      interpret=interpret)(q, k, v, d_out, lse, delta, kv_lengths, mod_arrays, table)
 
 
 def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
@@ -233,22 +221,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                                         tile=lax.axis_index("kv_tiles"))
     per_head, block_of = cta_list.count, cta_list.block
 
-  @pl.when(wg == _WGS)
-  def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-
-    def issue(i, slot):
-      head = kv_head * groups + lax.div(i, per_head)
-      q_start = block_of(lax.rem(i, per_head)) * block_q
-      rows = (batch, pl.ds(q_start, block_q), head)
-      stats = (batch, head, pl.ds(q_start, block_q))
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_full.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_full.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], lse_full.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_full.at[slot])
-
-    common.produce_ring(groups * per_head, stages, issue,
-                        lambda slot: plgpu.barrier_wait(slot_free.at[slot]))
+  common.produce_query_rows(
+      wg, (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
+      (q_full, do_full, lse_full, delta_full), slot_free, batch=batch, kv_head=kv_head,
+      groups=groups, per_head=per_head, block_of=block_of, block_q=block_q, stages=stages)
 
   @pl.when(wg < _WGS)
   def _consumer():
@@ -259,16 +235,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_full.at[wg * 2 + 1])
 
     if cta_list is None:
-      lo, hi = mask_lib.q_block_range(spec, kv_start, block_kv, block_q, num_q_blocks,
-                                      q_length)
-      hi = jnp.where(kv_start >= kv_length, lo, hi)
-      lo = jnp.clip(lo, cta_lo, cta_hi)
-      hi = jnp.clip(hi, lo, cta_hi)
-      full_lo, full_hi = mask_lib.q_full_range(spec, kv_start, block_kv, block_q, lo, hi)
-      # A key tile that straddles the key length needs the mask on every query block.
-      straddles = kv_start + block_kv > kv_length
-      full_lo = jnp.where(straddles, hi, full_lo)
-      full_hi = jnp.where(straddles, hi, full_hi)
+      lo, full_lo, full_hi, hi = common.key_tile_query_ranges(
+          spec, kv_start, block_kv, block_q, num_q_blocks, q_length, kv_length,
+          within=(cta_lo, cta_hi))
       if cfg.dq_column_halves:  # both warpgroups step the CTA's whole range (masked outside ours)
         lo, hi = cta_lo, cta_hi
     key_scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch,
@@ -466,22 +435,14 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, tab
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
                              num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv,
                              outputs=outputs, mods=mods, dq_partials=interpret)
-  params = common.compiler_params_within_smem(
-      dkv_scratch_types(cfg, head_dim, q.dtype, interpret=False, fused_dq=fused_dq),
-      f"the dK/dV kernel with {cfg}", reduces=False)
   grid, grid_names = cfg.grid(heads=heads_kv, tiles=kv_len // (_WGS * cfg.block_kv), batch=batch,
                               tile_axis="kv_tiles")
-  return plgpu.kernel(
-      kernel,
-      out_type=tuple(jax.ShapeDtypeStruct(k.shape, k.dtype) for _ in outputs),
-      scratch_types=dkv_scratch_types(cfg, head_dim, q.dtype, interpret, fused_dq=fused_dq),
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=_WGS + 1,
-      thread_name="wg",
-      compiler_params=params,
-      interpret=common.interpret_params(interpret),
-  )(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, dq_acc)
+  return common.warp_specialized(
+      kernel, lambda interp: dkv_scratch_types(cfg, head_dim, q.dtype, interp, fused_dq=fused_dq),
+      out_type=tuple(jax.ShapeDtypeStruct(k.shape, k.dtype) for _ in outputs), grid=grid,
+      grid_names=grid_names, what=f"the dK/dV kernel with {cfg}", reduces=False,
+      interpret=interpret)(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table,
+                           dq_acc)
 
 
 def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool,

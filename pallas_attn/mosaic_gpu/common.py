@@ -68,6 +68,26 @@ def compiler_params_within_smem(scratch_types, what: str, reduces: bool):
   return compiler_params(reduction_scratch=not reduces)
 
 
+def warp_specialized(kernel, scratch_types, *, out_type, grid, grid_names, what: str,
+                     reduces: bool, interpret: bool):
+  """`plgpu.kernel` of `kernel` run by COMPUTE_WARPGROUPS compute warpgroups and a producer
+  warpgroup (the thread axis "wg"), once `scratch_types(interpret)` (the kernel's shared memory
+  and barriers) is checked to fit (`compiler_params_within_smem`; `what` names the kernel in the
+  error)."""
+  params = compiler_params_within_smem(scratch_types(False), what, reduces)
+  return plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      scratch_types=scratch_types(interpret),
+      grid=grid,
+      grid_names=grid_names,
+      num_threads=config_lib.COMPUTE_WARPGROUPS + 1,
+      thread_name="wg",
+      compiler_params=params,
+      interpret=interpret_params(interpret),
+  )
+
+
 def interpret_params(interpret: bool):
   """`interpret=True` runs the kernel in the Mosaic GPU interpreter (CPU), checking for races."""
   return plgpu.InterpretGPUParams(detect_races=True) if interpret else None
@@ -175,6 +195,30 @@ def tile_mask(spec: mask_lib.MaskSpec, positions, kv_length):
   return mask_lib.visible(spec, q_pos, kv_pos, None, kv_length)
 
 
+def query_head_position(groups: int):
+  """(batch, query head, its kv head, warpgroup) of this thread of a kernel whose grid runs over
+  query heads (forward, dQ), `groups` query heads to a kv head."""
+  head = lax.axis_index("heads")
+  return lax.axis_index("batch"), head, lax.div(head, groups), lax.axis_index("wg")
+
+
+def key_tile_query_ranges(spec: mask_lib.MaskSpec, kv_start, block_kv: int, block_q: int,
+                          num_q_blocks: int, q_length, kv_length, within=None):
+  """(lo, full_lo, full_hi, hi): the query blocks [lo, hi) that may see a key of the tile
+  [kv_start, kv_start + block_kv), and among them [full_lo, full_hi), those that need no mask
+  (`common.masked_loops`' ranges of a dK/dV key tile). A tile wholly past the key length sees
+  nothing; one that straddles it needs the mask on every block. `within`: (cta_lo, cta_hi), the
+  CTA's range, to clip to."""
+  lo, hi = mask_lib.q_block_range(spec, kv_start, block_kv, block_q, num_q_blocks, q_length)
+  hi = jnp.where(kv_start >= kv_length, lo, hi)  # every key is padding
+  if within is not None:
+    lo = jnp.clip(lo, *within)
+    hi = jnp.clip(hi, lo, within[1])
+  full_lo, full_hi = mask_lib.q_full_range(spec, kv_start, block_kv, block_q, lo, hi)
+  straddles = kv_start + block_kv > kv_length
+  return lo, jnp.where(straddles, hi, full_lo), jnp.where(straddles, hi, full_hi), hi
+
+
 def tile_index(axis: str, num_tiles: int, reverse: bool):
   """The tile this CTA owns along grid axis `axis`; `reverse` visits them last first."""
   index = lax.axis_index(axis)
@@ -267,6 +311,30 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, 
                                batch=batch, kv_head=kv_head, block_of=block_of,
                                block_kv=block_kv)
   produce_ring(num_blocks, stages, issue, wait_free)
+
+
+def produce_query_rows(wg, refs, smems, fulls, slot_free, *, batch, kv_head, groups: int,
+                       per_head, block_of, block_q: int, stages: int):
+  """The producer warpgroup (wg == COMPUTE_WARPGROUPS) of the dK/dV kernels: for query head g
+  of the kv head's group
+  (g < groups) and its e-th visited query block block_of(e) (e < per_head), ring step
+  g * per_head + e loads that block's q and dO rows and its lse and delta into the ring.
+  `refs`, `smems`, `fulls`: (q, dO, lse, delta) in global memory ([B, T, Hq, D] and [B, Hq, T]),
+  their rings, and their slot-filled barriers; `slot_free`: the consumers' releases."""
+
+  def issue(i, slot):
+    head = kv_head * groups + lax.div(i, per_head)
+    q_start = block_of(lax.rem(i, per_head)) * block_q
+    rows = (batch, pl.ds(q_start, block_q), head)
+    stats = (batch, head, pl.ds(q_start, block_q))
+    for ref, smem, full, index in zip(refs, smems, fulls, (rows, rows, stats, stats)):
+      plgpu.copy_gmem_to_smem(ref.at[index], smem.at[slot], full.at[slot])
+
+  @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
+  def _():
+    plgpu.set_max_registers(40, action="decrease")
+    produce_ring(groups * per_head, stages, issue,
+                 lambda slot: plgpu.barrier_wait(slot_free.at[slot]))
 
 
 def release_kv(slot, k_full, v_full, k_free, v_free):

@@ -455,21 +455,12 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
                              mods=mods, work_schedule=work_schedule)
   # (The row max and row sum of the online softmax are its reductions.)
-  params = common.compiler_params_within_smem(
-      scratch_types(cfg, head_dim, q.dtype, interpret=False), f"the forward kernel with {cfg}",
-      reduces=True)
-  return plgpu.kernel(
-      kernel,
+  return common.warp_specialized(
+      kernel, lambda interp: scratch_types(cfg, head_dim, q.dtype, interp),
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((batch, heads_q, q_len), jnp.float32)),
-      scratch_types=scratch_types(cfg, head_dim, q.dtype, interpret),
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=config_lib.COMPUTE_WARPGROUPS + 1,
-      thread_name="wg",
-      compiler_params=params,
-      interpret=common.interpret_params(interpret),
-  )(q, k, v, q_lengths, kv_lengths, mod_arrays, table)
+      grid=grid, grid_names=grid_names, what=f"the forward kernel with {cfg}", reduces=True,
+      interpret=interpret)(q, k, v, q_lengths, kv_lengths, mod_arrays, table)
 
 
 def _separate_output(cfg: config_lib.KernelConfig, head_dim: int, dtype) -> bool:

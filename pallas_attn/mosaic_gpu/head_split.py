@@ -19,8 +19,12 @@ S^T twice), with [64, 128] float32 accumulators: 64 + 64 registers, as at head_d
 
 Warpgroup 0 stores dK, warpgroup 1 dV, once both halves are in. The two warpgroups meet through
 five barriers per query block: dP^T written, dP^T read, P^T written, dS^T written, both read
-(each buffer is rewritten at the next block only after the other warpgroup is done with it). The producer warpgroup streams q, dO, lse and delta through a ring, as in
-`bwd._dkv_kernel`. Block skipping follows `mask` positions or the block table (entries per key
+(each buffer is rewritten at the next block only after the other warpgroup is done with it).
+The producer warpgroup streams q, dO, lse and delta through a ring, as in `bwd._dkv_kernel`.
+
+The dQ kernel (`dq`) mirrors it on one query tile: warpgroup 0 makes S, P and dS, warpgroup 1
+dP, and each accumulates a column half of dQ (dS K[:, half]); four barriers per key block. Block
+skipping follows `mask` positions or the block table (entries per key
 tile: `block_table.key_major(..., rows_per_cta=1)`).
 """
 
@@ -45,12 +49,12 @@ _SCORES, _DP = 0, 1  # the two compute warpgroups' jobs
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref, mod_refs,
-            table_refs, dk_ref, dv_ref,
-            k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem, dpt_smem,
-            staging, kv_full, q_full, do_full, lse_full, delta_full, slot_free,
-            dpt_full, dpt_free, pt_full, ds_full, ds_free, halves_written, *,
-            spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-            num_q_blocks: int, groups: int, mods: mods_lib.KernelMods):
+                table_refs, dk_ref, dv_ref,
+                k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem,
+                dpt_smem, staging, kv_full, q_full, do_full, lse_full, delta_full, slot_free,
+                dpt_full, dpt_free, pt_full, ds_full, ds_free, halves_written, *,
+                spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
+                num_q_blocks: int, groups: int, mods: mods_lib.KernelMods):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -61,37 +65,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   kv_length = kv_len_ref[batch]
 
   kv_start = lax.axis_index("kv_tiles") * block_kv
-  cta_list = None
+  cta_list = ranges = None
   if table_refs is None:
-    lo, hi = mask_lib.q_block_range(spec, kv_start, block_kv, block_q, num_q_blocks, q_length)
-    hi = jnp.where(kv_start >= kv_length, lo, hi)  # every key is padding
-    full_lo, full_hi = mask_lib.q_full_range(spec, kv_start, block_kv, block_q, lo, hi)
-    # A key tile that straddles the key length needs the mask on every query block.
-    straddles = kv_start + block_kv > kv_length
-    full_lo = jnp.where(straddles, hi, full_lo)
-    full_hi = jnp.where(straddles, hi, full_hi)
+    ranges = common.key_tile_query_ranges(spec, kv_start, block_kv, block_q, num_q_blocks,
+                                          q_length, kv_length)
+    lo, hi = ranges[0], ranges[3]
     per_head, block_of = hi - lo, (lambda e: lo + e)
   else:
     cta_list = block_table.CtaList.read(table_refs, batch=batch, head=kv_head,
                                         tile=lax.axis_index("kv_tiles"))
     per_head, block_of = cta_list.count, cta_list.block
 
-  @pl.when(wg == _WGS)
-  def _producer():
-    plgpu.set_max_registers(40, action="decrease")
-
-    def issue(i, slot):
-      head = kv_head * groups + lax.div(i, per_head)
-      q_start = block_of(lax.rem(i, per_head)) * block_q
-      rows = (batch, pl.ds(q_start, block_q), head)
-      stats = (batch, head, pl.ds(q_start, block_q))
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[slot], q_full.at[slot])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[slot], do_full.at[slot])
-      plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem.at[slot], lse_full.at[slot])
-      plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem.at[slot], delta_full.at[slot])
-
-    common.produce_ring(groups * per_head, stages, issue,
-                        lambda slot: plgpu.barrier_wait(slot_free.at[slot]))
+  common.produce_query_rows(
+      wg, (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
+      (q_full, do_full, lse_full, delta_full), slot_free, batch=batch, kv_head=kv_head,
+      groups=groups, per_head=per_head, block_of=block_of, block_q=block_q, stages=stages)
 
   rows = (batch, pl.ds(kv_start, block_kv), kv_head)
   acc_shape = (block_kv, head_dim // 2)
@@ -113,8 +101,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_arrive(slot_free.at[slot])
 
     return _walk_blocks(step, (zeros, zeros), groups=groups, per_head=per_head, stages=stages,
-                        cta_list=cta_list, ranges=None if cta_list else (lo, full_lo, full_hi, hi),
-                        wait_filled=wait_filled, release=release)
+                        cta_list=cta_list, ranges=ranges, wait_filled=wait_filled,
+                        release=release)
 
   def load_kv():
     """Both tiles in, for both warpgroups (each one's epilogue overwrites half of both)."""
@@ -278,22 +266,13 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, *,
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
                              num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv,
                              mods=mods)
-  params = common.compiler_params_within_smem(
-      dkv_scratch_types(cfg, head_dim, q.dtype, interpret=False),
-      f"the head-split dK/dV kernel with {cfg}", reduces=False)
   grid, grid_names = cfg.grid(heads=heads_kv, tiles=kv_len // cfg.block_kv, batch=batch,
                               tile_axis="kv_tiles")
-  return plgpu.kernel(
-      kernel,
-      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2,
-      scratch_types=dkv_scratch_types(cfg, head_dim, q.dtype, interpret),
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=_WGS + 1,
-      thread_name="wg",
-      compiler_params=params,
-      interpret=common.interpret_params(interpret),
-  )(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table)
+  return common.warp_specialized(
+      kernel, lambda interp: dkv_scratch_types(cfg, head_dim, q.dtype, interp),
+      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, grid=grid, grid_names=grid_names,
+      what=f"the head-split dK/dV kernel with {cfg}", reduces=False,
+      interpret=interpret)(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table)
 
 
 def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
@@ -337,10 +316,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
-  batch = lax.axis_index("batch")
-  head = lax.axis_index("heads")
-  wg = lax.axis_index("wg")
-  kv_head = lax.div(head, groups)
+  batch, head, kv_head, wg = common.query_head_position(groups)
   kv_length = kv_len_ref[batch]
 
   q_tile = common.tile_index("q_tiles", num_q_tiles, cfg.reverse_q_tiles)
@@ -477,21 +453,12 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
   kernel = functools.partial(_dq_kernel, spec=spec, scale=scale, cfg=cfg,
                              num_q_tiles=num_q_tiles, num_kv_blocks=kv_len // cfg.block_kv,
                              groups=heads_q // heads_kv, mods=mods)
-  params = common.compiler_params_within_smem(
-      dq_scratch_types(cfg, head_dim, q.dtype, interpret=False),
-      f"the head-split dQ kernel with {cfg}", reduces=False)
   grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
-  return plgpu.kernel(
-      kernel,
-      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
-      scratch_types=dq_scratch_types(cfg, head_dim, q.dtype, interpret),
-      grid=grid,
-      grid_names=grid_names,
-      num_threads=_WGS + 1,
-      thread_name="wg",
-      compiler_params=params,
-      interpret=common.interpret_params(interpret),
-  )(q, k, v, d_out, lse, delta, kv_lengths, mod_arrays, table)
+  return common.warp_specialized(
+      kernel, lambda interp: dq_scratch_types(cfg, head_dim, q.dtype, interp),
+      out_type=jax.ShapeDtypeStruct(q.shape, q.dtype), grid=grid, grid_names=grid_names,
+      what=f"the head-split dQ kernel with {cfg}", reduces=False,
+      interpret=interpret)(q, k, v, d_out, lse, delta, kv_lengths, mod_arrays, table)
 
 
 def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
