@@ -1,4 +1,4 @@
-"""dK/dV with the accumulators split along head_dim (`KernelConfig.head_split`, head_dim 256).
+"""dQ and dK/dV with the accumulators split by columns (`KernelConfig.head_split`, head_dim 256).
 
 At head_dim 256 one warpgroup cannot hold a key tile's dK and dV ([64, 256] float32 each: 256
 registers per thread), so the plain dK/dV kernel runs twice (`split_dkv`: dV, then dK, each
@@ -46,6 +46,10 @@ from pallas_attn.mosaic_gpu import mods as mods_lib
 
 _WGS = config_lib.COMPUTE_WARPGROUPS
 _SCORES, _DP = 0, 1  # the two compute warpgroups' jobs
+
+
+# ---------------------------------------------------------------------------------------------
+# dK / dV
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref, mod_refs,
@@ -190,6 +194,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                   halves_written)
 
 
+# ---------------------------------------------------------------------------------------------
+# Shared by both kernels
+
 
 def _walk_blocks(step, accs, *, groups, per_head, stages: int, cta_list, ranges, wait_filled,
                  release):
@@ -234,7 +241,7 @@ def _wait_unless_first(count, barrier):
 
 
 def _half(warpgroup: int, head_dim: int):
-  """The columns of dK and dV that `warpgroup` accumulates."""
+  """The columns of the accumulators (dK and dV, or dQ) that `warpgroup` makes."""
   return pl.ds(warpgroup * (head_dim // 2), head_dim // 2)
 
 
@@ -276,9 +283,9 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, *,
 
 
 def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
-  """The kernel's shared memory and barriers (the order `_kernel` takes them in). head_dim 256,
-  block 64, 2 stages: K, V 64 KiB; q, dO ring 128 KiB; P^T, dS^T 16 KiB; dP^T 16 KiB; lse and
-  delta 2 KiB: 226 KiB."""
+  """The dK/dV kernel's shared memory and barriers (the order `_dkv_kernel` takes them in).
+  head_dim 256, blocks of 64, 2 stages: K, V 64 KiB; q, dO ring 128 KiB; P^T, dS^T 16 KiB; dP^T
+  16 KiB; lse and delta 2 KiB: 226 KiB."""
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
   meeting = plgpu.Barrier  # one warpgroup arrives, the other waits
