@@ -120,6 +120,8 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # (benchmarks/NOTES.md session 8), against split_dkv's two launches.
     "dkv_head_split": {"dkv": dict(head_split=True, split_dkv=False, stages=2)},
     "dkv_head_split_1st": {"dkv": dict(head_split=True, split_dkv=False, stages=1)},
+    # Warpgroup 1 makes dP a step ahead (benchmarks/NOTES.md session 8: not yet timed).
+    "head_split_dp_ahead": {"dq": dict(dp_ahead=True), "dkv": dict(dp_ahead=True)},
     "dq_head_split": {"dq": dict(head_split=True, stages=2)},
     "dq_head_split_1st": {"dq": dict(head_split=True, stages=1)},
     "head_split": {"dq": dict(head_split=True, stages=2),
@@ -156,6 +158,9 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   if VARIANTS[name].get("dkv", {}).get("fused_dq") and (table_dkv.split_dkv
                                                         or table_dkv.head_split):
     return f"does not apply: head_dim {shape.head_dim} splits dK and dV"
+  if (any(c.get("dp_ahead") for c in VARIANTS[name].values())
+      and not config_lib.kernel_config(shape.head_dim, "dq").head_split):
+    return f"does not apply: dp_ahead is a head_split option (head_dim 256), not {shape.head_dim}"
   if VARIANTS[name].get("dkv", {}).get("split_dkv") and shape.head_dim != 256:
     return f"does not apply: dK and dV in two launches is head_dim 256's, not {shape.head_dim}'s"
   if any(c.get("head_split") for c in VARIANTS[name].values()) and shape.head_dim % 128:

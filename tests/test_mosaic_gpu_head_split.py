@@ -29,6 +29,8 @@ from test_mosaic_gpu import _poison_allocator, kernel_table
 _K = config_lib.KernelConfig
 HEAD_SPLIT = _K(64, 64, head_split=True)
 HEAD_SPLIT_1STAGE = _K(64, 64, stages=1, head_split=True)
+# Warpgroup 1 makes each block's dP a step ahead (dP under warpgroup 0's softmax).
+DP_AHEAD = _K(64, 64, head_split=True, dp_ahead=True)
 
 
 def _both(cfg):
@@ -54,11 +56,15 @@ _INTERPRETED = [
     (HEAD_SPLIT, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
     (HEAD_SPLIT_1STAGE, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
     (HEAD_SPLIT_1STAGE, cases.get_case("window_l32_r8_203x113").replace(head_dim=128)),
+    # dP a step ahead: several steps per CTA, GQA groups walked as one ring, CTAs with no step.
+    (DP_AHEAD, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
+    (DP_AHEAD, cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
 ]
 
 
 @pytest.mark.parametrize("cfg,case", [
-    pytest.param(cfg, c.replace(dtype=cases.BF16), id=f"{cfg.stages}st-{c.name}-d{c.head_dim}")
+    pytest.param(cfg, c.replace(dtype=cases.BF16),
+                 id=f"{cfg.stages}st{'-ahead' if cfg.dp_ahead else ''}-{c.name}-d{c.head_dim}")
     for cfg, c in _INTERPRETED])
 def test_interpreted_head_split_matches_reference(cfg, case, seed):
   with kernel_table(case.head_dim, _both(cfg)):
@@ -74,12 +80,13 @@ def test_interpreted_head_split_dq_reversed_beside_plain_dkv(seed):
   _no_race()
 
 
-@pytest.mark.parametrize("name,head_dim", [("all_gqa_lengths_113x203", 256),
-                                           ("segments_causal_150x150", 128)])
-def test_interpreted_head_split_with_modifiers(name, head_dim, seed):
+@pytest.mark.parametrize("name,head_dim,cfg", [("all_gqa_lengths_113x203", 256, HEAD_SPLIT),
+                                               ("segments_causal_150x150", 128, HEAD_SPLIT),
+                                               ("segments_causal_150x150", 128, DP_AHEAD)])
+def test_interpreted_head_split_with_modifiers(name, head_dim, cfg, seed):
   """Soft-cap (dS times its derivative), ALiBi per query head of the group, segment ids (the
   block table with one list per key tile), lengths."""
-  with kernel_table(head_dim, _both(HEAD_SPLIT)):
+  with kernel_table(head_dim, _both(cfg)):
     mods_tests._check(mods_tests._CASES[name].with_base(head_dim=head_dim), seed,
                       interpret=True)
   _no_race()
@@ -122,6 +129,10 @@ def test_head_split_config_is_checked():
     _K(64, 64, head_split=True, split_dkv=True)
   with pytest.raises(ValueError, match="head_split"):
     _K(64, 64, head_split=True, fused_dq=True)
+  with pytest.raises(ValueError, match="dp_ahead"):
+    _K(64, 64, dp_ahead=True)
+  with pytest.raises(ValueError, match="dp_ahead"):
+    _K(64, 64, stages=1, head_split=True, dp_ahead=True)
   q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="multiple of 128"):
     stats = jnp.zeros((1, 1, 64), jnp.float32)
@@ -133,7 +144,7 @@ def test_head_split_config_is_checked():
 
 
 @pytest.mark.parametrize("head_dim,cfg", [(256, HEAD_SPLIT), (128, HEAD_SPLIT),
-                                          (256, HEAD_SPLIT_1STAGE)])
+                                          (256, HEAD_SPLIT_1STAGE), (256, DP_AHEAD)])
 def test_head_split_lowers_for_cuda(head_dim, cfg):
   """The real lowering (the interpreter runs neither register operands nor the TMA rules), and
   the shared-memory check: two stages fit at head_dim 256 (dK/dV 226 KiB, dQ 218 KiB)."""
@@ -154,14 +165,16 @@ def test_head_split_lowers_for_cuda(head_dim, cfg):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
+                                 pytest.param(DP_AHEAD, id="dp_ahead")])
 @pytest.mark.parametrize("case", [
     pytest.param(c.replace(dtype=cases.BF16, head_dim=d), id=f"{c.name}-d{d}")
     for d in (256, 128)
     for c in (cases.get_case("causal_1023x1024"), cases.get_case("mha_1000x1000"),
               cases.get_case("gqa_causal_window_lengths_1000x1000"),
               cases.get_case("gqa_causal_lengths_113x203"))])
-def test_gpu_head_split_matches_reference(case, seed):
-  with kernel_table(case.head_dim, _both(HEAD_SPLIT)):
+def test_gpu_head_split_matches_reference(case, cfg, seed):
+  with kernel_table(case.head_dim, _both(cfg)):
     _poison_allocator(64 << 20)
     cases.check_case(case, "mosaic_gpu", seed=seed)
 

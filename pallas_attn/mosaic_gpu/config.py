@@ -109,6 +109,11 @@ class KernelConfig:
   # one launch, where `split_dkv`'s two launches make five with [64, 256] accumulators that
   # spill; dQ: the [64, 256] dQ accumulator beside S and dP spills.
   head_split: bool = False
+  # With head_split: warpgroup 1 makes the next block's dP (dP^T) during this block, before it
+  # waits for warpgroup 0's dS, so its matmul runs while warpgroup 0 is on the CUDA cores
+  # (softmax, dS) instead of after. 32 more registers in warpgroup 1; needs stages >= 2 (the
+  # next ring slot is read before this one is freed). Not yet timed on the H200.
+  dp_ahead: bool = False
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_kv % 64 or not (self.block_q and self.block_kv):
@@ -126,6 +131,9 @@ class KernelConfig:
       raise ValueError("fused_dq needs dK and dV from one launch (split_dkv=False)")
     if self.head_split and (self.split_dkv or self.fused_dq):
       raise ValueError("head_split is a layout of its own: it takes no split_dkv or fused_dq")
+    if self.dp_ahead and not (self.head_split and self.stages >= 2):
+      raise ValueError(f"dp_ahead is a head_split option and needs stages >= 2, got "
+                       f"head_split={self.head_split}, stages={self.stages}")
     if self.dq_column_halves and not self.fused_dq:
       raise ValueError("dq_column_halves is a layout of the fused dQ: it needs fused_dq=True")
     if sorted(self.grid_order) != sorted(GRID_AXES):

@@ -187,7 +187,33 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_arrive(ds_free)
       return dk, dv
 
-    dk, dv, count = walk(step)
+    def dpt_of(slot):
+      plgpu.barrier_wait(do_full.at[slot])
+      return common.matmul(v_smem, do_smem.at[slot].T, (block_kv, block_q))  # dP^T
+
+    def step_ahead(slot, count, dpt, next_dpt, acc):
+      """Step `count` with its dP^T made the step before; the next step's dP^T is computed after
+      this step's dV wgmma, under warpgroup 0's dS^T (`cfg.dp_ahead`)."""
+      dk, dv = acc
+      _wait_unless_first(count, dpt_free)  # warpgroup 0 has read the last dP^T
+      dpt_smem[...] = dpt
+      plgpu.barrier_arrive(dpt_full)
+      plgpu.barrier_wait(pt_full)
+      dv = common.matmul_acc_smem(dv, pt_smem, do_smem.at[slot, :, half], stage is not None)
+      dpt = next_dpt()
+      plgpu.barrier_wait(q_full.at[slot])
+      plgpu.barrier_wait(ds_full)
+      dk = common.matmul_acc_smem(dk, dst_smem, q_smem.at[slot, :, half], stage is not None)
+      plgpu.barrier_arrive(ds_free)
+      plgpu.barrier_arrive(slot_free.at[slot])
+      return (dk, dv), dpt
+
+    if cfg.dp_ahead:
+      zeros = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), common.WGMMA)
+      dk, dv, count = _walk_dp_ahead(groups * per_head, stages, dpt_of, (block_kv, block_q),
+                                     step_ahead, (zeros, zeros))
+    else:
+      dk, dv, count = walk(step)
     _wait_unless_first(count, dpt_free)  # warpgroup 0's last read of dP^T
 
     _store_halves(dk * scale, dv, k_smem, v_smem, (v_smem, dv_ref), rows, half, dtype,
@@ -231,6 +257,28 @@ def _walk_blocks(step, accs, *, groups, per_head, stages: int, cta_list, ranges,
 
   accs, count = lax.fori_loop(0, groups, one_head, (accs, jnp.int32(0)))
   return (*accs, count)
+
+
+def _walk_dp_ahead(total, stages: int, dp_of, dp_shape, step, accs):
+  """Warpgroup 1's loop with `cfg.dp_ahead`: the `total` steps of the CTA in ring order (slot
+  c % stages; warpgroup 1 needs no block index: warpgroup 0 applies the masks), each step's dP
+  (`dp_of(slot)`, which waits for the slot) made during the step before, so that it runs while
+  warpgroup 0 is on the CUDA cores. `step(slot, count, dp, next_dp, accs)` -> (accs, next dP),
+  calling the thunk `next_dp` where the next dP should be made (zeros past the last step).
+  Needs stages >= 2 (the next slot is read before this one is released). Returns (*accs,
+  total)."""
+  zeros = plgpu.layout_cast(jnp.zeros(dp_shape, jnp.float32), common.WGMMA)
+
+  def dp_if(present, slot):
+    return lax.cond(present, lambda: dp_of(slot), lambda: zeros)
+
+  def body(c, carry):
+    accs, dp = carry
+    next_dp = lambda: dp_if(c + 1 < total, lax.rem(c + 1, stages))
+    return step(lax.rem(c, stages), c, dp, next_dp, accs)
+
+  accs, _ = lax.fori_loop(0, total, body, (accs, dp_if(total > 0, 0)))
+  return (*accs, total)
 
 
 def _wait_unless_first(count, barrier):
@@ -443,7 +491,31 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       plgpu.barrier_arrive(ds_free)
       return (dq,)
 
-    dq, count = walk(step)
+    def dp_of(slot):
+      plgpu.barrier_wait(v_full.at[slot])
+      return common.matmul(do_smem, v_smem.at[slot].T, (block_q, block_kv))
+
+    def step_ahead(slot, count, dp, next_dp, acc):
+      """Step `count` with its dP made the step before; the next block's dP is computed before
+      this step's wait for dS, under warpgroup 0's softmax (`cfg.dp_ahead`)."""
+      (dq,) = acc
+      _wait_unless_first(count, dp_free)  # warpgroup 0 has read the last dP
+      dp_smem[...] = dp
+      plgpu.barrier_arrive(dp_full)
+      dp = next_dp()
+      plgpu.barrier_wait(k_full.at[slot])
+      plgpu.barrier_wait(ds_full)
+      dq = common.matmul_acc_smem(dq, ds_smem, k_smem.at[slot, :, half], stage is not None)
+      plgpu.barrier_arrive(ds_free)
+      release(slot)
+      return (dq,), dp
+
+    if cfg.dp_ahead:
+      zeros = plgpu.layout_cast(jnp.zeros((block_q, head_dim // 2), jnp.float32), common.WGMMA)
+      dq, count = _walk_dp_ahead(num_blocks, stages, dp_of, (block_q, block_kv), step_ahead,
+                                 (zeros,))
+    else:
+      dq, count = walk(step)
     _wait_unless_first(count, dp_free)  # warpgroup 0's last read of dP
     store(dq, half)
 
