@@ -384,9 +384,8 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   # The kernel's tiles are [keys, queries]: it reads bias and mask transposed.
   mod_arrays = mod_arrays.transposed_pairs()
   if cfg.head_split:
-    return head_split.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays,
-                              table, scale=scale, spec=spec, cfg=cfg, interpret=interpret,
-                              mods=mods)
+    return head_split.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table,
+                          scale=scale, spec=spec, cfg=cfg, interpret=interpret, mods=mods)
   passes = (("dv",), ("dk",)) if cfg.split_dkv else (("dk", "dv"),)
   grads = {}
   for outputs in passes:

@@ -142,15 +142,11 @@ def matmul_acc(acc, lhs, rhs, staging=None) -> jax.Array:
 
 
 def matmul_acc_smem(acc, lhs, rhs, interpret: bool) -> jax.Array:
-  """acc + lhs @ rhs with lhs a shared-memory ref: in place compiled (as `matmul_acc`), a fresh
+  """acc + lhs @ rhs with lhs a shared-memory ref: in place compiled (`matmul_acc`), a fresh
   product added in registers in the interpreter (which runs no `run_state`)."""
   if interpret:
     return acc + matmul(lhs, rhs, acc.shape)
-
-  def body(acc_ref):
-    plgpu.wgmma(acc_ref, lhs, rhs)
-
-  return pl.run_state(body)(plgpu.ACC.init(acc))
+  return matmul_acc(acc, lhs, rhs)
 
 
 def matmul_overlapped(lhs, rhs, shape, staging, while_running):
