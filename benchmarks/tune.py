@@ -134,6 +134,14 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # both warpgroups' dS^T; head_dim >= 128).
     "dkv_dq_halves": {"dkv": dict(fused_dq=True, dq_column_halves=True)},
     "dkv_dq_halves_1st": {"dkv": dict(fused_dq=True, dq_column_halves=True, stages=1)},
+    # i. FlashAttention-3's register split: 240 per compute thread, 24 for the producer (the
+    # table: 232 / 40), for the kernels that spill (the fused dQ at 128, the head split at 256).
+    "regs240": {k: dict(compute_registers=240) for k in KERNELS},
+    "dkv_fused_dq_regs240": {"dkv": dict(fused_dq=True, compute_registers=240)},
+    "dkv_dq_halves_regs240": {"dkv": dict(fused_dq=True, dq_column_halves=True,
+                                          compute_registers=240)},
+    "head_split_dp_ahead_regs240": {k: dict(dp_ahead=True, compute_registers=240)
+                                    for k in ("dq", "dkv")},
     # The separate dQ kernel again (where the table fuses: head_dim 64).
     "dkv_separate_dq": {"dkv": dict(fused_dq=False, dq_column_halves=False, block_q=64)},
 }

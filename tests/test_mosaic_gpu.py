@@ -264,7 +264,21 @@ _LOWERED_VARIANTS = [
     (64, {"fwd": _K(64, 128, stages=3, overlap_qk=True, fold_scale=True, reverse_q_tiles=True,
                     grid_order=("heads", "batch", "tiles"), persistent=True)}),
     (256, {"fwd": _K(64, 64, persistent=True)}),  # the output through the q tile
+    # FlashAttention-3's register split (240 / 24) in every kind of kernel.
+    (128, {"fwd": _K(64, 128, compute_registers=240), "dq": _K(64, 64, compute_registers=240),
+           "dkv": _K(64, 64, fused_dq=True, compute_registers=240)}),
+    (256, {"dq": _K(64, 64, head_split=True, compute_registers=240),
+           "dkv": _K(64, 64, head_split=True, dp_ahead=True, compute_registers=240)}),
 ]
+
+
+def test_register_split_is_checked():
+  """The producer keeps what the compute warpgroups leave of the launch (3 x 168 per thread)."""
+  assert _K(64, 64).producer_registers == 40
+  assert _K(64, 64, compute_registers=240).producer_registers == 24
+  for bad in (236, 248, 160):
+    with pytest.raises(ValueError, match="compute_registers"):
+      _K(64, 64, compute_registers=bad)
 
 
 @pytest.mark.parametrize("head_dim,configs", _LOWERED_VARIANTS,

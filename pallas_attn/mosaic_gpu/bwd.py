@@ -72,11 +72,12 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       block_of, num_blocks = cta_list.block, cta_list.count
     common.produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
                       batch=batch, kv_head=kv_head, block_of=block_of,
-                      num_blocks=num_blocks, block_kv=block_kv, stages=stages)
+                      num_blocks=num_blocks, block_kv=block_kv, stages=stages,
+                      registers=cfg.producer_registers)
 
   @pl.when(wg < _WGS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(cfg.compute_registers, action="increase")
     q_start = cta_start + wg * block_q
     rows = (batch, pl.ds(q_start, block_q), head)
     stats = (batch, head, pl.ds(q_start, block_q))
@@ -224,11 +225,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   common.produce_query_rows(
       wg, (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
       (q_full, do_full, lse_full, delta_full), slot_free, batch=batch, kv_head=kv_head,
-      groups=groups, per_head=per_head, block_of=block_of, block_q=block_q, stages=stages)
+      groups=groups, per_head=per_head, block_of=block_of, block_q=block_q, stages=stages,
+      registers=cfg.producer_registers)
 
   @pl.when(wg < _WGS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(cfg.compute_registers, action="increase")
     kv_start = cta_start + wg * block_kv
     rows = (batch, pl.ds(kv_start, block_kv), kv_head)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_full.at[wg * 2 + 0])

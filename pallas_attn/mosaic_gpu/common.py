@@ -298,11 +298,12 @@ def kv_copies(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, b
 
 
 def produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, batch, kv_head,
-               block_of, num_blocks, block_kv: int, stages: int):
+               block_of, num_blocks, block_kv: int, stages: int, registers: int):
   """The producer warpgroup of the forward and dQ kernels: key blocks block_of(i),
   0 <= i < num_blocks, of K and V ([batch, seq, heads_kv, head_dim]) into the ring, each slot's K
-  and V completing on their own barriers."""
-  plgpu.set_max_registers(40, action="decrease")
+  and V completing on their own barriers. `registers`: the producer's share
+  (`KernelConfig.producer_registers`)."""
+  plgpu.set_max_registers(registers, action="decrease")
   issue, wait_free = kv_copies(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
                                batch=batch, kv_head=kv_head, block_of=block_of,
                                block_kv=block_kv)
@@ -310,13 +311,14 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, 
 
 
 def produce_query_rows(wg, refs, smems, fulls, slot_free, *, batch, kv_head, groups: int,
-                       per_head, block_of, block_q: int, stages: int):
+                       per_head, block_of, block_q: int, stages: int, registers: int):
   """The producer warpgroup (wg == COMPUTE_WARPGROUPS) of the dK/dV kernels: for query head g
   of the kv head's group
   (g < groups) and its e-th visited query block block_of(e) (e < per_head), ring step
   g * per_head + e loads that block's q and dO rows and its lse and delta into the ring.
   `refs`, `smems`, `fulls`: (q, dO, lse, delta) in global memory ([B, T, Hq, D] and [B, Hq, T]),
-  their rings, and their slot-filled barriers; `slot_free`: the consumers' releases."""
+  their rings, and their slot-filled barriers; `slot_free`: the consumers' releases;
+  `registers`: the producer's share (`KernelConfig.producer_registers`)."""
 
   def issue(i, slot):
     head = kv_head * groups + lax.div(i, per_head)
@@ -328,7 +330,7 @@ def produce_query_rows(wg, refs, smems, fulls, slot_free, *, batch, kv_head, gro
 
   @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
   def _():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(registers, action="decrease")
     produce_ring(groups * per_head, stages, issue,
                  lambda slot: plgpu.barrier_wait(slot_free.at[slot]))
 

@@ -35,6 +35,9 @@ PASSES = ("fwd", "dq", "dkv")
 # The grid axes of every kernel: "tiles" is the kernel's own (query tiles in the forward and dQ
 # kernels, key tiles in dK/dV).
 GRID_AXES = ("heads", "tiles", "batch")
+# Registers a thread of the three-warpgroup CTA launches with: 65536 / 384, rounded down to the
+# multiple of 8 that setmaxnreg works in. The warpgroups then trade them (`compute_registers`).
+LAUNCH_REGISTERS = 168
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,6 +117,14 @@ class KernelConfig:
   # (softmax, dS) instead of after. 32 more registers in warpgroup 1; needs stages >= 2 (the
   # next ring slot is read before this one is freed). Not yet timed on the H200.
   dp_ahead: bool = False
+  # Registers per thread of each compute warpgroup (setmaxnreg); the producer warpgroup keeps
+  # what the two leave of the launch's 3 * LAUNCH_REGISTERS: 40 at 232 (tokamax's and JAX's
+  # examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups).
+  compute_registers: int = 232
+
+  @property
+  def producer_registers(self) -> int:
+    return 3 * LAUNCH_REGISTERS - COMPUTE_WARPGROUPS * self.compute_registers
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_kv % 64 or not (self.block_q and self.block_kv):
@@ -136,6 +147,11 @@ class KernelConfig:
                        f"head_split={self.head_split}, stages={self.stages}")
     if self.dq_column_halves and not self.fused_dq:
       raise ValueError("dq_column_halves is a layout of the fused dQ: it needs fused_dq=True")
+    if (self.compute_registers % 8 or self.compute_registers < LAUNCH_REGISTERS
+        or self.producer_registers < 24):
+      raise ValueError(f"compute_registers must be a multiple of 8 from {LAUNCH_REGISTERS} to "
+                       f"{(3 * LAUNCH_REGISTERS - 24) // COMPUTE_WARPGROUPS} (the producer keeps "
+                       f"at least 24), got {self.compute_registers}")
     if sorted(self.grid_order) != sorted(GRID_AXES):
       raise ValueError(f"grid_order must be a permutation of {GRID_AXES}, got "
                        f"{self.grid_order}")

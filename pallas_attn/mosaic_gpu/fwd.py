@@ -361,11 +361,12 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
   def _producer():
     common.produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
                       batch=batch, kv_head=work.kv_head, block_of=work.block_of,
-                      num_blocks=work.num_blocks(), block_kv=block_kv, stages=stages)
+                      num_blocks=work.num_blocks(), block_kv=block_kv, stages=stages,
+                      registers=cfg.producer_registers)
 
   @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(cfg.compute_registers, action="increase")
     consume(wg, work)
 
 
@@ -396,7 +397,7 @@ def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, *, produce
 
   @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
   def _producer():
-    plgpu.set_max_registers(40, action="decrease")
+    plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
     def produce_item(step, count):
       work = item(step)
@@ -410,7 +411,7 @@ def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, *, produce
 
   @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
   def _consumer():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(cfg.compute_registers, action="increase")
 
     def load_q(step):
       batch, head, q_tile = coords(step)

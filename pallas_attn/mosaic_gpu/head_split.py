@@ -83,7 +83,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   common.produce_query_rows(
       wg, (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
       (q_full, do_full, lse_full, delta_full), slot_free, batch=batch, kv_head=kv_head,
-      groups=groups, per_head=per_head, block_of=block_of, block_q=block_q, stages=stages)
+      groups=groups, per_head=per_head, block_of=block_of, block_q=block_q, stages=stages,
+      registers=cfg.producer_registers)
 
   rows = (batch, pl.ds(kv_start, block_kv), kv_head)
   acc_shape = (block_kv, head_dim // 2)
@@ -120,7 +121,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
   @pl.when(wg == _SCORES)
   def _scores_warpgroup():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(cfg.compute_registers, action="increase")
     load_kv()
     half = _half(_SCORES, head_dim)
     key_scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch,
@@ -167,7 +168,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
   @pl.when(wg == _DP)
   def _dp_warpgroup():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(cfg.compute_registers, action="increase")
     load_kv()
     half = _half(_DP, head_dim)
 
@@ -391,7 +392,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
   def _producer():
     common.produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
                       batch=batch, kv_head=kv_head, block_of=block_of,
-                      num_blocks=num_blocks, block_kv=block_kv, stages=stages)
+                      num_blocks=num_blocks, block_kv=block_kv, stages=stages,
+                      registers=cfg.producer_registers)
 
   rows = (batch, pl.ds(q_start, block_q), head)
   stats = (batch, head, pl.ds(q_start, block_q))
@@ -437,7 +439,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
 
   @pl.when(wg == _SCORES)
   def _scores_warpgroup():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(cfg.compute_registers, action="increase")
     load_rows()
     half = _half(_SCORES, head_dim)
     scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch, head=head,
@@ -474,7 +476,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
 
   @pl.when(wg == _DP)
   def _dp_warpgroup():
-    plgpu.set_max_registers(232, action="increase")
+    plgpu.set_max_registers(cfg.compute_registers, action="increase")
     load_rows()
     half = _half(_DP, head_dim)
 
