@@ -161,6 +161,8 @@ PRESETS = {
     "tune_d256": lambda: fa_sweep(seqs=(4096, 16384), head_dims=(256,)),
     # One d128 causal shape (benchmarks/tune.py --ptxas: registers hardly depend on the shape).
     "tune_d128": lambda: fa_sweep(seqs=(4096,), head_dims=(128,), causal=(True,)),
+    # head_dim 64 at N = 4096, causal and not (its backward fuses dQ into the dK/dV kernel).
+    "tune_d64": lambda: fa_sweep(seqs=(4096,), head_dims=(64,)),
     # benchmarks/tune.py's CPU smoke test: one causal shape, one head.
     "tune_smoke": lambda: [Shape(1, 96, 96, 1, 1, 64, True, "cpu")],
     "none": lambda: [],

@@ -142,6 +142,20 @@ VARIANTS: dict[str, dict[str, dict]] = {
                                           compute_registers=240)},
     "head_split_dp_ahead_regs240": {k: dict(dp_ahead=True, compute_registers=240)
                                     for k in ("dq", "dkv")},
+    # j. Swizzled float32 tiles (the fused dQ part, the head split's dP hand-over).
+    "swizzle_f32": {k: dict(swizzle_f32=True) for k in KERNELS},
+    "dkv_fused_dq_swizzled": {"dkv": dict(fused_dq=True, swizzle_f32=True)},
+    "dkv_dq_halves_swizzled": {"dkv": dict(fused_dq=True, dq_column_halves=True,
+                                           swizzle_f32=True)},
+    "dkv_fused_dq_swizzled_regs240": {"dkv": dict(fused_dq=True, swizzle_f32=True,
+                                                  compute_registers=240)},
+    # k. dP's wgmma issued behind S's, P made while dP runs (dQ and dK/dV kernels).
+    "co_issue_dp": {"dq": dict(co_issue_dp=True), "dkv": dict(co_issue_dp=True)},
+    "co_issue_dp_regs240": {k: dict(co_issue_dp=True, compute_registers=240)
+                            for k in ("dq", "dkv")},
+    "dkv_fused_dq_co_issue": {"dkv": dict(fused_dq=True, co_issue_dp=True)},
+    "dkv_fused_dq_co_issue_regs240": {"dkv": dict(fused_dq=True, co_issue_dp=True,
+                                                  compute_registers=240)},
     # The separate dQ kernel again (where the table fuses: head_dim 64).
     "dkv_separate_dq": {"dkv": dict(fused_dq=False, dq_column_halves=False, block_q=64)},
 }

@@ -118,6 +118,15 @@ _VARIANTS = {
     "dq_column_halves": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True)},
     "dq_column_halves_1stage": {"dkv": _K(64, 64, stages=1, fused_dq=True,
                                           dq_column_halves=True)},
+    # The dQ part through a swizzled float32 tile.
+    "fused_dq_swizzled": {"dkv": _K(64, 64, fused_dq=True, swizzle_f32=True)},
+    "dq_column_halves_swizzled": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True,
+                                            swizzle_f32=True)},
+    # dP's wgmma issued behind S's (P made while dP is on the tensor cores), in both kernels
+    # and in the fused dK/dV/dQ one.
+    "co_issue_dp": {"dq": _K(64, 64, co_issue_dp=True), "dkv": _K(64, 64, co_issue_dp=True)},
+    "fused_dq_co_issue_dp": {"dkv": _K(64, 64, fused_dq=True, co_issue_dp=True,
+                                       swizzle_f32=True, compute_registers=240)},
     # The persistent grid (fwd.INTERPRET_CTAS = 3 CTAs in the interpreter, each walking several
     # (batch, head, q tile) items): plain, and heaviest causal tiles first with the overlap.
     "persistent": {"fwd": _K(64, 128, persistent=True)},
@@ -163,6 +172,12 @@ _VARIANT_CASES = [
     ("dq_column_halves", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
     ("dq_column_halves", cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
     ("dq_column_halves_1stage", cases.get_case("window_l32_r8_203x113").replace(head_dim=128)),
+    ("fused_dq_swizzled", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    ("fused_dq_swizzled", cases.get_case("mqa_113x203")),
+    ("dq_column_halves_swizzled", _CAUSAL_203.replace(head_dim=128)),
+    ("co_issue_dp", _CAUSAL_203.replace(head_dim=128)),
+    ("co_issue_dp", cases.get_case("gqa_causal_lengths_113x203")),
+    ("fused_dq_co_issue_dp", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
     ("split_launches", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     ("persistent", _GQA_203),
     ("persistent", _GQA_CAUSAL_203),
@@ -269,6 +284,15 @@ _LOWERED_VARIANTS = [
            "dkv": _K(64, 64, fused_dq=True, compute_registers=240)}),
     (256, {"dq": _K(64, 64, head_split=True, compute_registers=240),
            "dkv": _K(64, 64, head_split=True, dp_ahead=True, compute_registers=240)}),
+    # Swizzled float32 tiles: the fused dQ part (whole, and column halves), the dP hand-over.
+    (128, {"dkv": _K(64, 64, fused_dq=True, swizzle_f32=True)}),
+    (128, {"dq": _K(64, 64, co_issue_dp=True),
+           "dkv": _K(64, 64, fused_dq=True, co_issue_dp=True, compute_registers=240)}),
+    (64, {"dq": _K(64, 128, co_issue_dp=True), "dkv": _K(128, 64, co_issue_dp=True)}),
+    (64, {"dkv": _K(128, 64, fused_dq=True, swizzle_f32=True)}),
+    (128, {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True, swizzle_f32=True)}),
+    (256, {"dq": _K(64, 64, head_split=True, swizzle_f32=True),
+           "dkv": _K(64, 64, head_split=True, swizzle_f32=True)}),
 ]
 
 
@@ -451,6 +475,10 @@ _GPU_VARIANTS = {
     "overlap_qk_kv64_no_ping_pong": {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)},
     "fused_dq": {"dkv": _K(64, 64, fused_dq=True)},
     "dq_column_halves": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True)},
+    "fused_dq_swizzled": _VARIANTS["fused_dq_swizzled"],
+    "dq_column_halves_swizzled": _VARIANTS["dq_column_halves_swizzled"],
+    "co_issue_dp": _VARIANTS["co_issue_dp"],
+    "fused_dq_co_issue_dp": _VARIANTS["fused_dq_co_issue_dp"],
     "persistent": {"fwd": _K(64, 128, persistent=True)},
     "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,
                                          grid_order=("heads", "batch", "tiles"),

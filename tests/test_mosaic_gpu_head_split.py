@@ -31,6 +31,8 @@ HEAD_SPLIT = _K(64, 64, head_split=True)
 HEAD_SPLIT_1STAGE = _K(64, 64, stages=1, head_split=True)
 # Warpgroup 1 makes each block's dP a step ahead (dP under warpgroup 0's softmax).
 DP_AHEAD = _K(64, 64, head_split=True, dp_ahead=True)
+# dP handed over through a swizzled float32 tile.
+SWIZZLED = _K(64, 64, head_split=True, swizzle_f32=True)
 
 
 def _both(cfg):
@@ -59,12 +61,14 @@ _INTERPRETED = [
     # dP a step ahead: several steps per CTA, GQA groups walked as one ring, CTAs with no step.
     (DP_AHEAD, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     (DP_AHEAD, cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
+    (SWIZZLED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
 ]
 
 
 @pytest.mark.parametrize("cfg,case", [
     pytest.param(cfg, c.replace(dtype=cases.BF16),
-                 id=f"{cfg.stages}st{'-ahead' if cfg.dp_ahead else ''}-{c.name}-d{c.head_dim}")
+                 id=(f"{cfg.stages}st{'-ahead' if cfg.dp_ahead else ''}"
+                     f"{'-swizzled' if cfg.swizzle_f32 else ''}-{c.name}-d{c.head_dim}"))
     for cfg, c in _INTERPRETED])
 def test_interpreted_head_split_matches_reference(cfg, case, seed):
   with kernel_table(case.head_dim, _both(cfg)):
@@ -166,7 +170,8 @@ def test_head_split_lowers_for_cuda(head_dim, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
-                                 pytest.param(DP_AHEAD, id="dp_ahead")])
+                                 pytest.param(DP_AHEAD, id="dp_ahead"),
+                                 pytest.param(SWIZZLED, id="swizzled")])
 @pytest.mark.parametrize("case", [
     pytest.param(c.replace(dtype=cases.BF16, head_dim=d), id=f"{c.name}-d{d}")
     for d in (256, 128)

@@ -109,12 +109,22 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
     def step(slot, j, dq, *, masked: bool):
       """Key block j, in ring slot `slot`."""
       cols = scores.columns(j, block_kv, masked=masked)
+
+      def probabilities(s):
+        s, chain = scores(s, cols, masked=masked)
+        return jnp.exp2(s - common.broadcast_rows(lse2, s.shape)), chain  # [block_q, block_kv]
+
+      tile = (block_q, block_kv)
       plgpu.barrier_wait(k_full.at[slot])
-      s = common.matmul(q_smem.at[wg], k_smem.at[slot].T, (block_q, block_kv))
-      s, chain = scores(s, cols, masked=masked)
-      p = jnp.exp2(s - common.broadcast_rows(lse2, s.shape))  # [block_q, block_kv]
-      plgpu.barrier_wait(v_full.at[slot])
-      dp = common.matmul(do_smem.at[wg], v_smem.at[slot].T, (block_q, block_kv))
+      if cfg.co_issue_dp:
+        plgpu.barrier_wait(v_full.at[slot])
+        (p, chain), dp = common.matmul_pair((q_smem.at[wg], k_smem.at[slot].T, tile),
+                                            (do_smem.at[wg], v_smem.at[slot].T, tile),
+                                            probabilities)
+      else:
+        p, chain = probabilities(common.matmul(q_smem.at[wg], k_smem.at[slot].T, tile))
+        plgpu.barrier_wait(v_full.at[slot])
+        dp = common.matmul(do_smem.at[wg], v_smem.at[slot].T, tile)
       plgpu.barrier_arrive(v_free.at[slot])
       dp = scores.dropped(dp, scores.dropout_keep(dp, cols))  # dP of the dropped weights
       ds = mods_lib.logit_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), chain)
@@ -307,17 +317,28 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         acc = dict(acc)
         cols = scores.columns(qi, block_q, masked=masked)
         wait_filled(slot)
-        st = common.matmul(k_smem.at[wg], q_smem.at[slot].T, (block_kv, block_q))  # S^T
-        st, chain = scores(st, cols, masked=masked)
-        lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
-        pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
-        keep = scores.dropout_keep(pt, cols)  # transposed like the tile
+
+        def probabilities(st):
+          st, chain = scores(st, cols, masked=masked)
+          lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
+          pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
+          return pt, chain, scores.dropout_keep(pt, cols)  # (keep: transposed like the tile)
+
+        tile = (block_kv, block_q)
+        st_operands = (k_smem.at[wg], q_smem.at[slot].T, tile)  # S^T
+        dpt_operands = (v_smem.at[wg], do_smem.at[slot].T, tile)  # dP^T
+        dpt = None
+        if cfg.co_issue_dp and "dk" in outputs:
+          (pt, chain, keep), dpt = common.matmul_pair(st_operands, dpt_operands, probabilities)
+        else:
+          pt, chain, keep = probabilities(common.matmul(*st_operands))
         stage = staging[0].at[wg] if staging else None
         if "dv" in outputs:
           acc["dv"] = common.matmul_acc(acc["dv"], scores.dropped(pt, keep).astype(dtype),
                                         do_smem.at[slot], stage)
         if "dk" in outputs:
-          dpt = common.matmul(v_smem.at[wg], do_smem.at[slot].T, (block_kv, block_q))
+          if dpt is None:
+            dpt = common.matmul(*dpt_operands)
           dpt = scores.dropped(dpt, keep)
           delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
           dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
@@ -462,7 +483,8 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
       # warpgroups)
       tile(*((cfg.stages,) if halves else ()), _WGS, cfg.block_kv, cfg.block_q),
       # dQ part, out by reduce-add
-      plgpu.SMEM((_WGS, cfg.block_q, head_dim // 2 if halves else head_dim), jnp.float32),
+      common.f32_tile((_WGS, cfg.block_q, head_dim // 2 if halves else head_dim),
+                      cfg.swizzle_f32),
       # dq_column_halves: both warpgroups' dS^T of a ring slot are in shared memory; both are
       # past their last dQ wgmma (which reads both K tiles)
       *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),

@@ -21,6 +21,15 @@ LN2 = math.log(2.0)
 # wgmma operands in shared memory: 8x64-element tiles with a 128-byte swizzle (64 bf16/f16
 # columns), so head_dim 64, 128 and 256 are whole numbers of tiles.
 TILE_TRANSFORMS = (plgpu.TilingTransform((8, 64)), plgpu.SwizzleTransform(128))
+# float32 tiles that registers in the WGMMA layout are written to (and read back from): 8x32
+# tiles with the 128-byte swizzle. Unswizzled, a warp's 8 rows of a [rows, 64 or more] float32
+# tile start in the same bank (rows are a multiple of 128 bytes apart): 8-way conflicts.
+F32_TILE_TRANSFORMS = (plgpu.TilingTransform((8, 32)), plgpu.SwizzleTransform(128))
+
+
+def f32_tile(shape, swizzled: bool):
+  """A float32 shared-memory tile for WGMMA-layout stores (swizzled: `F32_TILE_TRANSFORMS`)."""
+  return plgpu.SMEM(shape, jnp.float32, transforms=F32_TILE_TRANSFORMS if swizzled else ())
 
 WGMMA = plgpu.Layout.WGMMA
 WGMMA_ROW = plgpu.Layout.WGMMA.reduce(1)  # one value per row of a [rows, cols] WGMMA tile
@@ -120,6 +129,22 @@ def matmul_sum(pairs, shape, while_running=None) -> jax.Array:
     return acc_ref[...]
 
   return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
+def matmul_pair(first, second, between):
+  """Two wgmmas issued back to back, `first` and `second` each (lhs, rhs, [M, N]) into a fresh
+  float32 accumulator (operands as in `matmul`). Only the first is awaited before
+  `between(first_product)` runs, so it runs on the CUDA cores while the second product is still
+  on the tensor cores. Returns (between's result, the second product)."""
+
+  def body(first_ref, second_ref):
+    plgpu.wgmma(first_ref, first[0], first[1])
+    plgpu.wgmma(second_ref, second[0], second[1])
+    result = between(plgpu.wgmma_accumulator_load(first_ref, wait_n=1))
+    return result, second_ref[...]
+
+  return pl.run_scoped(body, plgpu.ACC(first[2], jnp.float32),
+                       plgpu.ACC(second[2], jnp.float32))
 
 
 def matmul_acc(acc, lhs, rhs, staging=None) -> jax.Array:

@@ -121,6 +121,16 @@ class KernelConfig:
   # what the two leave of the launch's 3 * LAUNCH_REGISTERS: 40 at 232 (tokamax's and JAX's
   # examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups).
   compute_registers: int = 232
+  # dK/dV with fused_dq, and the head-split kernels: the float32 tiles written from registers
+  # (the dQ part before its reduce-add; dP handed between the warpgroups) get the 128-byte
+  # swizzle (`common.F32_TILE_TRANSFORMS`) instead of a plain row-major layout whose rows all
+  # start in the same bank.
+  swizzle_f32: bool = False
+  # dQ and dK/dV (not head_split): issue dP's wgmma right behind S's and wait for S alone, so the
+  # mask, the modifiers and exp2 of P run on the CUDA cores while dP is on the tensor cores
+  # (FlashAttention-3's overlap inside a warpgroup; the two accumulators were live together
+  # already). Without it each wgmma is awaited before the next is issued.
+  co_issue_dp: bool = False
 
   @property
   def producer_registers(self) -> int:

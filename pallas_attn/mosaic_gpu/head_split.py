@@ -347,7 +347,7 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
       plgpu.SMEM((cfg.stages, cfg.block_q), jnp.float32),  # delta ring
       tile(cfg.block_kv, cfg.block_q),  # P^T (dropped), warpgroup 0 -> 1
       tile(cfg.block_kv, cfg.block_q),  # dS^T, warpgroup 0 -> 1
-      plgpu.SMEM((cfg.block_kv, cfg.block_q), jnp.float32),  # dP^T, warpgroup 1 -> 0
+      common.f32_tile((cfg.block_kv, cfg.block_q), cfg.swizzle_f32),  # dP^T, warpgroup 1 -> 0
       common.staging_scratch(interpret, (_WGS, cfg.block_kv, cfg.block_q), dtype),
       plgpu.Barrier(num_barriers=2),  # k, v loaded
       ring(), ring(), ring(), ring(),  # q, dO, lse, delta slot filled
@@ -557,7 +557,7 @@ def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpr
       tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
       tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
       tile(cfg.block_q, cfg.block_kv),  # dS, warpgroup 0 -> 1
-      plgpu.SMEM((cfg.block_q, cfg.block_kv), jnp.float32),  # dP, warpgroup 1 -> 0
+      common.f32_tile((cfg.block_q, cfg.block_kv), cfg.swizzle_f32),  # dP, warpgroup 1 -> 0
       common.staging_scratch(interpret, (cfg.block_q, cfg.block_kv), dtype),
       plgpu.Barrier(num_barriers=4),  # q, dO, lse, delta loaded
       ring(), ring(),  # k, v slot filled
