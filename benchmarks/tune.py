@@ -153,6 +153,12 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "co_issue_dp": {"dq": dict(co_issue_dp=True), "dkv": dict(co_issue_dp=True)},
     "co_issue_dp_regs240": {k: dict(co_issue_dp=True, compute_registers=240)
                             for k in ("dq", "dkv")},
+    "co_issue_dp_dkv": {"dq": dict(co_issue_dp=True), "dkv": dict(co_issue_dp=True,
+                                                                  co_issue_dkv=True)},
+    "co_issue_dkv": {"dkv": dict(co_issue_dkv=True)},
+    "dkv_fused_dq_swizzled_regs240_co_dkv": {"dkv": dict(fused_dq=True, swizzle_f32=True,
+                                                         compute_registers=240,
+                                                         co_issue_dkv=True)},
     "dkv_fused_dq_co_issue": {"dkv": dict(fused_dq=True, co_issue_dp=True)},
     "dkv_fused_dq_co_issue_regs240": {"dkv": dict(fused_dq=True, co_issue_dp=True,
                                                   compute_registers=240)},

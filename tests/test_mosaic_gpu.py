@@ -124,7 +124,8 @@ _VARIANTS = {
                                             swizzle_f32=True)},
     # dP's wgmma issued behind S's (P made while dP is on the tensor cores), in both kernels
     # and in the fused dK/dV/dQ one.
-    "co_issue_dp": {"dq": _K(64, 64, co_issue_dp=True), "dkv": _K(64, 64, co_issue_dp=True)},
+    "co_issue_dp": {"dq": _K(64, 64, co_issue_dp=True),
+                    "dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True)},
     "fused_dq_co_issue_dp": {"dkv": _K(64, 64, fused_dq=True, co_issue_dp=True,
                                        swizzle_f32=True, compute_registers=240)},
     # The persistent grid (fwd.INTERPRET_CTAS = 3 CTAs in the interpreter, each walking several
@@ -289,6 +290,8 @@ _LOWERED_VARIANTS = [
     (128, {"dq": _K(64, 64, co_issue_dp=True),
            "dkv": _K(64, 64, fused_dq=True, co_issue_dp=True, compute_registers=240)}),
     (64, {"dq": _K(64, 128, co_issue_dp=True), "dkv": _K(128, 64, co_issue_dp=True)}),
+    (128, {"dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True)}),
+    (256, {"dkv": _K(64, 64, stages=1, split_dkv=True, co_issue_dp=True, co_issue_dkv=True)}),
     (64, {"dkv": _K(128, 64, fused_dq=True, swizzle_f32=True)}),
     (128, {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True, swizzle_f32=True)}),
     (256, {"dq": _K(64, 64, head_split=True, swizzle_f32=True),

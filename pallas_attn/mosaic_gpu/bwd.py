@@ -333,9 +333,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         else:
           pt, chain, keep = probabilities(common.matmul(*st_operands))
         stage = staging[0].at[wg] if staging else None
+        pairs = cfg.co_issue_dkv and outputs == ("dk", "dv")
         if "dv" in outputs:
-          acc["dv"] = common.matmul_acc(acc["dv"], scores.dropped(pt, keep).astype(dtype),
-                                        do_smem.at[slot], stage)
+          dv_operands = (scores.dropped(pt, keep).astype(dtype), do_smem.at[slot])
+          if not pairs:
+            acc["dv"] = common.matmul_acc(acc["dv"], *dv_operands, stage)
         if "dk" in outputs:
           if dpt is None:
             dpt = common.matmul(*dpt_operands)
@@ -344,7 +346,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
                                     chain)
           dst = dst.astype(dtype)
-          acc["dk"] = common.matmul_acc(acc["dk"], dst, q_smem.at[slot], stage)
+          if pairs:
+            acc["dv"], acc["dk"] = common.matmul_acc_pair(
+                (acc["dv"], *dv_operands), (acc["dk"], dst, q_smem.at[slot]), stage)
+          else:
+            acc["dk"] = common.matmul_acc(acc["dk"], dst, q_smem.at[slot], stage)
           if dq_acc_ref is not None:
             add_dq(dst, slot, kv_head * groups + g, qi)
         plgpu.barrier_arrive(slot_free.at[slot])

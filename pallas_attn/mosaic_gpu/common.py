@@ -166,6 +166,19 @@ def matmul_acc(acc, lhs, rhs, staging=None) -> jax.Array:
   return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
+def matmul_acc_pair(first, second, staging=None) -> tuple[jax.Array, jax.Array]:
+  """`matmul_acc` of `first` and `second`, each (acc, lhs, rhs), their wgmmas issued back to
+  back and awaited once (the second starts as soon as the first leaves the tensor cores)."""
+  if staging is not None:
+    return matmul_acc(*first, staging), matmul_acc(*second, staging)
+
+  def body(acc_refs):
+    for acc_ref, (_, lhs, rhs) in zip(acc_refs, (first, second)):
+      plgpu.wgmma(acc_ref, lhs, rhs)
+
+  return pl.run_state(body)((plgpu.ACC.init(first[0]), plgpu.ACC.init(second[0])))
+
+
 def matmul_acc_smem(acc, lhs, rhs, interpret: bool) -> jax.Array:
   """acc + lhs @ rhs with lhs a shared-memory ref: in place compiled (`matmul_acc`), a fresh
   product added in registers in the interpreter (which runs no `run_state`)."""

@@ -131,6 +131,9 @@ class KernelConfig:
   # (FlashAttention-3's overlap inside a warpgroup; the two accumulators were live together
   # already). Without it each wgmma is awaited before the next is issued.
   co_issue_dp: bool = False
+  # dK/dV (not head_split): dV's and dK's wgmmas of a step issued together after dS is made, and
+  # awaited once, instead of dV's awaited before dS is computed.
+  co_issue_dkv: bool = False
 
   @property
   def producer_registers(self) -> int:
