@@ -156,6 +156,13 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "co_issue_dp_dkv": {"dq": dict(co_issue_dp=True), "dkv": dict(co_issue_dp=True,
                                                                   co_issue_dkv=True)},
     "co_issue_dkv": {"dkv": dict(co_issue_dkv=True)},
+    # head_dim 128's backward before session 9 (every wgmma awaited before the next is issued).
+    "no_co_issue": {"dq": dict(co_issue_dp=False),
+                    "dkv": dict(co_issue_dp=False, co_issue_dkv=False)},
+    # head_dim 64: the separate dQ kernel with both co-issues, against the fused dQ.
+    "separate_dq_co_issue": {"dq": dict(co_issue_dp=True),
+                             "dkv": dict(fused_dq=False, block_q=64, co_issue_dp=True,
+                                         co_issue_dkv=True)},
     "dkv_fused_dq_swizzled_regs240_co_dkv": {"dkv": dict(fused_dq=True, swizzle_f32=True,
                                                          compute_registers=240,
                                                          co_issue_dkv=True)},

@@ -193,7 +193,10 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     (128, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True),
     (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True),
     (64, "dq"): KernelConfig(block_q=64, block_kv=64),
-    (128, "dq"): KernelConfig(block_q=64, block_kv=64),
+    # head_dim 128: dP's wgmma issued behind S's (P made under it), and in dK/dV dV's and dK's
+    # wgmmas issued together (H200, fwd+bwd 1.10-1.12x non-causal, 1.02-1.03x causal at N 4096 /
+    # 16384 in one tuner run; the dP part alone 1.03-1.05x twice; benchmarks/NOTES.md session 9).
+    (128, "dq"): KernelConfig(block_q=64, block_kv=64, co_issue_dp=True),
     # head_dim 256: dQ split by columns between the warpgroups of one query tile, two stages
     # (H200, fwd+bwd 1.10-1.12x the one-slot [64, 256] dQ kernel, which spills 800 B a thread;
     # one stage 0.89-0.97x; benchmarks/NOTES.md session 8).
@@ -202,7 +205,7 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # fwd+bwd: 1.09x and 1.10x the separate dQ kernel in two runs; benchmarks/NOTES.md session 5).
     # At head_dim 128 the fused kernel spills (dK, dV and the dQ part) and is 0.93-0.98x: not used.
     (64, "dkv"): KernelConfig(block_q=128, block_kv=64, fused_dq=True),
-    (128, "dkv"): KernelConfig(block_q=64, block_kv=64),
+    (128, "dkv"): KernelConfig(block_q=64, block_kv=64, co_issue_dp=True, co_issue_dkv=True),
     # head_dim 256: dK and dV split by columns between the warpgroups of one key tile (H200,
     # fwd+bwd 1.33-1.41x split_dkv's two launches at N 4096 / 16384, causal and not, in one tuner
     # run; benchmarks/NOTES.md session 8).
