@@ -115,21 +115,24 @@ class KernelConfig:
   # With head_split: warpgroup 1 makes the next block's dP (dP^T) during this block, before it
   # waits for warpgroup 0's dS, so its matmul runs while warpgroup 0 is on the CUDA cores
   # (softmax, dS) instead of after. 32 more registers in warpgroup 1; needs stages >= 2 (the
-  # next ring slot is read before this one is freed). Not yet timed on the H200.
+  # next ring slot is read before this one is freed). H200, d256: 0.91-0.97x the plain head split
+  # (benchmarks/NOTES.md session 9); off.
   dp_ahead: bool = False
   # Registers per thread of each compute warpgroup (setmaxnreg); the producer warpgroup keeps
   # what the two leave of the launch's 3 * LAUNCH_REGISTERS: 40 at 232 (tokamax's and JAX's
-  # examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups).
+  # examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups). H200: 240
+  # lowers the spills of the kernels that spill but is within the noise in speed (session 9).
   compute_registers: int = 232
   # dK/dV with fused_dq, and the head-split kernels: the float32 tiles written from registers
   # (the dQ part before its reduce-add; dP handed between the warpgroups) get the 128-byte
   # swizzle (`common.F32_TILE_TRANSFORMS`) instead of a plain row-major layout whose rows all
-  # start in the same bank.
+  # start in the same bank. H200: no measurable effect (session 9); off.
   swizzle_f32: bool = False
   # dQ and dK/dV (not head_split): issue dP's wgmma right behind S's and wait for S alone, so the
   # mask, the modifiers and exp2 of P run on the CUDA cores while dP is on the tensor cores
   # (FlashAttention-3's overlap inside a warpgroup; the two accumulators were live together
-  # already). Without it each wgmma is awaited before the next is issued.
+  # already). Without it each wgmma is awaited before the next is issued. On at head_dim 128
+  # (`DEFAULTS`); at 64, where dK/dV makes dQ too, the extra live tile costs more than it saves.
   co_issue_dp: bool = False
   # dK/dV (not head_split): dV's and dK's wgmmas of a step issued together after dS is made, and
   # awaited once, instead of dV's awaited before dS is computed.
