@@ -128,6 +128,9 @@ _VARIANTS = {
                     "dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True)},
     "fused_dq_co_issue_dp": {"dkv": _K(64, 64, fused_dq=True, co_issue_dp=True,
                                        swizzle_f32=True, compute_registers=240)},
+    # dQ's wgmma left running into the next step (dS through two shared-memory tiles).
+    "dq_in_flight": {"dq": _K(64, 64, co_issue_dp=True, dq_in_flight=True)},
+    "dq_in_flight_1stage": {"dq": _K(64, 128, stages=1, dq_in_flight=True)},
     # The persistent grid (fwd.INTERPRET_CTAS = 3 CTAs in the interpreter, each walking several
     # (batch, head, q tile) items): plain, and heaviest causal tiles first with the overlap.
     "persistent": {"fwd": _K(64, 128, persistent=True)},
@@ -179,6 +182,9 @@ _VARIANT_CASES = [
     ("co_issue_dp", _CAUSAL_203.replace(head_dim=128)),
     ("co_issue_dp", cases.get_case("gqa_causal_lengths_113x203")),
     ("fused_dq_co_issue_dp", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
+    ("dq_in_flight", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
+    ("dq_in_flight_1stage", cases.get_case("window_l32_r8_203x113")),
     ("split_launches", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     ("persistent", _GQA_203),
     ("persistent", _GQA_CAUSAL_203),
@@ -291,6 +297,9 @@ _LOWERED_VARIANTS = [
            "dkv": _K(64, 64, fused_dq=True, co_issue_dp=True, compute_registers=240)}),
     (64, {"dq": _K(64, 128, co_issue_dp=True), "dkv": _K(128, 64, co_issue_dp=True)}),
     (128, {"dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True)}),
+    (128, {"dq": _K(64, 64, co_issue_dp=True, dq_in_flight=True)}),
+    (64, {"dq": _K(64, 128, stages=3, dq_in_flight=True),
+          "dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True)}),
     (256, {"dkv": _K(64, 64, stages=1, split_dkv=True, co_issue_dp=True, co_issue_dkv=True)}),
     (64, {"dkv": _K(128, 64, fused_dq=True, swizzle_f32=True)}),
     (128, {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True, swizzle_f32=True)}),
@@ -481,6 +490,7 @@ _GPU_VARIANTS = {
     "fused_dq_swizzled": _VARIANTS["fused_dq_swizzled"],
     "dq_column_halves_swizzled": _VARIANTS["dq_column_halves_swizzled"],
     "co_issue_dp": _VARIANTS["co_issue_dp"],
+    "dq_in_flight": _VARIANTS["dq_in_flight"],
     "fused_dq_co_issue_dp": _VARIANTS["fused_dq_co_issue_dp"],
     "persistent": {"fwd": _K(64, 128, persistent=True)},
     "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,

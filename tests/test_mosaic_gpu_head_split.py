@@ -137,6 +137,8 @@ def test_head_split_config_is_checked():
     _K(64, 64, dp_ahead=True)
   with pytest.raises(ValueError, match="dp_ahead"):
     _K(64, 64, stages=1, head_split=True, dp_ahead=True)
+  with pytest.raises(ValueError, match="dq_in_flight"):
+    _K(64, 64, head_split=True, dq_in_flight=True)
   q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="multiple of 128"):
     stats = jnp.zeros((1, 1, 64), jnp.float32)

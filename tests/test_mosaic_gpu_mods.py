@@ -22,7 +22,8 @@ import cases
 import pallas_attn
 from pallas_attn import mask as mask_lib
 from pallas_attn.mosaic_gpu import ops
-from test_mosaic_gpu import _poison_allocator
+from pallas_attn.mosaic_gpu import config as config_lib
+from test_mosaic_gpu import _poison_allocator, kernel_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,6 +306,25 @@ def _check_api_against_portable(q_len, kv_len, *, is_causal, alignment, soft_cap
     assert np.isfinite(np.asarray(g, np.float32)).all(), name
     err = cases.rel_err(g, w)
     assert err < (1e-4 if name == "lse" else 2e-2), f"{name}: rel err {err:.3e}"
+
+
+_DQ_IN_FLIGHT = config_lib.KernelConfig(64, 64, co_issue_dp=True, dq_in_flight=True)
+
+
+def test_interpreted_dq_in_flight_through_block_table(seed):
+  """dQ's wgmma left running into the next step (`dq_in_flight`) while the dQ kernel walks a
+  block table: segment ids (blocks skipped between computed ones), lengths."""
+  with kernel_table(128, {"dq": _DQ_IN_FLIGHT}):
+    _check(_CASES["segments_causal_150x150"].with_base(head_dim=128), seed, interpret=True)
+  from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+  assert interpret_pallas_call.get_races().races_found is False
+
+
+@pytest.mark.gpu
+def test_gpu_dq_in_flight_through_block_table(seed):
+  with kernel_table(128, {"dq": _DQ_IN_FLIGHT}):
+    _poison_allocator(64 << 20)
+    _check(_CASES["segments_causal_150x150"].with_base(head_dim=128), seed, interpret=False)
 
 
 def test_interpreted_modifiers_through_attention(seed):

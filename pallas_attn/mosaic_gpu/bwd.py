@@ -45,7 +45,7 @@ _WGS = config_lib.COMPUTE_WARPGROUPS
 
 def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_refs, table_refs,
                dq_ref,
-               q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_staging,
+               q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem,
                q_full, k_full, v_full, k_free, v_free, *,
                spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
                num_q_tiles: int, num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods):
@@ -106,11 +106,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       common.release_kv(slot, k_full, v_full, k_free, v_free)
       return carry
 
-    def step(slot, j, dq, *, masked: bool):
-      """Key block j, in ring slot `slot`."""
+    def scores_grad(slot, j, *, masked: bool, after_s=lambda: None):
+      """dS of key block j (ring slot `slot`) in the input dtype, V's slot released;
+      `after_s` runs once S's wgmma (and every wgmma issued before it) is done."""
       cols = scores.columns(j, block_kv, masked=masked)
 
       def probabilities(s):
+        after_s()
         s, chain = scores(s, cols, masked=masked)
         return jnp.exp2(s - common.broadcast_rows(lse2, s.shape)), chain  # [block_q, block_kv]
 
@@ -128,21 +130,61 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       plgpu.barrier_arrive(v_free.at[slot])
       dp = scores.dropped(dp, scores.dropout_keep(dp, cols))  # dP of the dropped weights
       ds = mods_lib.logit_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), chain)
-      dq = common.matmul_acc(dq, ds.astype(dtype), k_smem.at[slot],
-                             ds_staging[0].at[wg] if ds_staging else None)
+      return ds.astype(dtype)
+
+    def step(slot, j, dq, *, masked: bool):
+      """Key block j, in ring slot `slot`: dQ += dS K, awaited."""
+      dq = common.matmul_acc(dq, scores_grad(slot, j, masked=masked), k_smem.at[slot],
+                             ds_smem[0].at[wg] if ds_smem else None)
       plgpu.barrier_arrive(k_free.at[slot])
       return dq
 
-    dq = plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), common.WGMMA)
-    if cta_list is None:
-      release_block = lambda j, c: release(slot_of(j), c)
-      lax.fori_loop(cta_lo, lo, release_block, None)
-      dq = common.masked_loops(lo, full_lo, full_hi, hi,
-                               lambda j, c, masked: step(slot_of(j), j, c, masked=masked), dq)
-      lax.fori_loop(hi, cta_hi, release_block, None)
+    def step_in_flight(dq_acc, slot, j, carry, *, masked: bool):
+      """Key block j with `cfg.dq_in_flight`: dQ += dS K is issued and left running; the next
+      step's first wait covers it, and only then is this K slot released. carry: (the previous
+      step's slot, steps taken)."""
+      prev_slot, count = carry
+
+      def release_prev_k():
+        @pl.when(count > 0)
+        def _():
+          plgpu.barrier_arrive(k_free.at[prev_slot])
+
+      ds = scores_grad(slot, j, masked=masked, after_s=release_prev_k)
+      ds_tile = ds_smem[0].at[wg, lax.rem(count, 2)]  # (the one dQ(count - 2) read: done)
+      ds_tile[...] = ds
+      plgpu.commit_smem()
+      plgpu.wgmma(dq_acc, ds_tile, k_smem.at[slot])
+      return slot, count + 1
+
+    def walk(step, carry):
+      """`step` over the CTA's key blocks (skipped ones just released)."""
+      if cta_list is None:
+        release_block = lambda j, c: release(slot_of(j), c)
+        carry = lax.fori_loop(cta_lo, lo, release_block, carry)
+        carry = common.masked_loops(lo, full_lo, full_hi, hi,
+                                    lambda j, c, masked: step(slot_of(j), j, c, masked=masked),
+                                    carry)
+        return lax.fori_loop(hi, cta_hi, release_block, carry)
+      return cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(i, stages), release=release,
+                            step=step)
+
+    if cfg.dq_in_flight:
+      def accumulate(dq_acc):
+        last_slot, count = walk(functools.partial(step_in_flight, dq_acc),
+                                (jnp.int32(0), jnp.int32(0)))
+        plgpu.wgmma_wait(0)
+
+        @pl.when(count > 0)
+        def _():
+          plgpu.barrier_arrive(k_free.at[last_slot])
+
+        return dq_acc[...]
+
+      dq = pl.run_scoped(accumulate, plgpu.ACC((block_q, head_dim), jnp.float32))
     else:
-      dq = cta_list.visit(wg, dq, slot_of=lambda i: lax.rem(i, stages), release=release,
-                          step=step)
+      dq = walk(step, plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+                                        common.WGMMA))
 
     q_smem.at[wg][...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
@@ -188,7 +230,10 @@ def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpr
       plgpu.SMEM((_WGS, cfg.block_q), jnp.float32),  # delta
       tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
       tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
-      common.staging_scratch(interpret, (_WGS, cfg.block_q, cfg.block_kv), dtype),
+      # dS for dQ's wgmma: two per warpgroup with dq_in_flight (one is read while the next is
+      # written), else the interpreter's staging (compiled, dS stays in registers)
+      (tile(_WGS, 2, cfg.block_q, cfg.block_kv),) if cfg.dq_in_flight
+      else common.staging_scratch(interpret, (_WGS, cfg.block_q, cfg.block_kv), dtype),
       plgpu.Barrier(num_barriers=_WGS * 4),  # q, dO, lse, delta loaded (per warpgroup)
       plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled
       plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled

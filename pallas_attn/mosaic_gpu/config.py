@@ -137,6 +137,11 @@ class KernelConfig:
   # dK/dV (not head_split): dV's and dK's wgmmas of a step issued together after dS is made, and
   # awaited once, instead of dV's awaited before dS is computed.
   co_issue_dkv: bool = False
+  # dQ (not head_split): each step's dQ += dS K wgmma (dS through one of two shared-memory tiles
+  # per warpgroup) is left running into the next step, whose S (and dP) wgmmas are issued behind
+  # it; the next step's first wait covers it, and only then is its K slot released. Without it
+  # the warpgroup waits for dQ's wgmma before it issues the next S.
+  dq_in_flight: bool = False
 
   @property
   def producer_registers(self) -> int:
@@ -161,6 +166,8 @@ class KernelConfig:
     if self.dp_ahead and not (self.head_split and self.stages >= 2):
       raise ValueError(f"dp_ahead is a head_split option and needs stages >= 2, got "
                        f"head_split={self.head_split}, stages={self.stages}")
+    if self.dq_in_flight and self.head_split:
+      raise ValueError("dq_in_flight is a layout of the plain dQ kernel, not of head_split")
     if self.dq_column_halves and not self.fused_dq:
       raise ValueError("dq_column_halves is a layout of the fused dQ: it needs fused_dq=True")
     if (self.compute_registers % 8 or self.compute_registers < LAUNCH_REGISTERS
