@@ -129,8 +129,14 @@ _VARIANTS = {
     "fused_dq_co_issue_dp": {"dkv": _K(64, 64, fused_dq=True, co_issue_dp=True,
                                        swizzle_f32=True, compute_registers=240)},
     # dQ's wgmma left running into the next step (dS through two shared-memory tiles).
-    "dq_in_flight": {"dq": _K(64, 64, co_issue_dp=True, dq_in_flight=True)},
-    "dq_in_flight_1stage": {"dq": _K(64, 128, stages=1, dq_in_flight=True)},
+    # (The dK/dV kernel named too: at head_dim 64 the table's makes dQ itself, and no dQ kernel
+    # would run.)
+    "dq_in_flight": {"dq": _K(64, 64, co_issue_dp=True, dq_in_flight=True),
+                     "dkv": _K(64, 64)},
+    "dq_in_flight_3stages": {"dq": _K(64, 64, stages=3, dq_in_flight=True), "dkv": _K(64, 64)},
+    # 128 query rows a warpgroup over 64-key blocks: warpgroup 0's causal range ends two blocks
+    # before warpgroup 1's, so it releases two ring slots (of 2) after its last dQ wgmma.
+    "dq_in_flight_q128": {"dq": _K(128, 64, dq_in_flight=True), "dkv": _K(64, 64)},
     # The persistent grid (fwd.INTERPRET_CTAS = 3 CTAs in the interpreter, each walking several
     # (batch, head, q tile) items): plain, and heaviest causal tiles first with the overlap.
     "persistent": {"fwd": _K(64, 128, persistent=True)},
@@ -184,7 +190,8 @@ _VARIANT_CASES = [
     ("fused_dq_co_issue_dp", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
     ("dq_in_flight", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
-    ("dq_in_flight_1stage", cases.get_case("window_l32_r8_203x113")),
+    ("dq_in_flight_3stages", _CAUSAL_203),  # up to 4 key blocks a CTA, 3 slots
+    ("dq_in_flight_q128", _GQA_CAUSAL_LENGTHS_330),
     ("split_launches", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     ("persistent", _GQA_203),
     ("persistent", _GQA_CAUSAL_203),
@@ -315,6 +322,12 @@ def test_register_split_is_checked():
   for bad in (236, 248, 160):
     with pytest.raises(ValueError, match="compute_registers"):
       _K(64, 64, compute_registers=bad)
+
+
+def test_dq_in_flight_needs_two_slots():
+  """A K slot is released at the next step's first wait, which waits for the next block."""
+  with pytest.raises(ValueError, match="stages >= 2"):
+    _K(64, 64, stages=1, dq_in_flight=True)
 
 
 @pytest.mark.parametrize("head_dim,configs", _LOWERED_VARIANTS,

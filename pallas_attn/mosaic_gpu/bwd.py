@@ -139,26 +139,38 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       plgpu.barrier_arrive(k_free.at[slot])
       return dq
 
+    def release_pending_k(carry):
+      """dq_in_flight: free the K slot of the dQ wgmma last issued, if any (it has finished)."""
+      prev_slot, _, pending = carry
+
+      @pl.when(pending != 0)
+      def _():
+        plgpu.barrier_arrive(k_free.at[prev_slot])
+
     def step_in_flight(dq_acc, slot, j, carry, *, masked: bool):
       """Key block j with `cfg.dq_in_flight`: dQ += dS K is issued and left running; the next
-      step's first wait covers it, and only then is this K slot released. carry: (the previous
-      step's slot, steps taken)."""
-      prev_slot, count = carry
-
-      def release_prev_k():
-        @pl.when(count > 0)
-        def _():
-          plgpu.barrier_arrive(k_free.at[prev_slot])
-
-      ds = scores_grad(slot, j, masked=masked, after_s=release_prev_k)
+      step's first wait covers it, and only then is this K slot released. carry: (the slot of
+      the dQ wgmma in flight, steps taken, whether one is in flight)."""
+      count = carry[1]
+      ds = scores_grad(slot, j, masked=masked, after_s=lambda: release_pending_k(carry))
       ds_tile = ds_smem[0].at[wg, lax.rem(count, 2)]  # (the one dQ(count - 2) read: done)
       ds_tile[...] = ds
       plgpu.commit_smem()
       plgpu.wgmma(dq_acc, ds_tile, k_smem.at[slot])
-      return slot, count + 1
+      return slot, count + 1, jnp.int32(1)
 
-    def walk(step, carry):
-      """`step` over the CTA's key blocks (skipped ones just released)."""
+    def release_in_flight(slot, carry):
+      """A skipped block's slot with `cfg.dq_in_flight`: the dQ wgmma in flight is awaited and
+      its K slot freed first, since the producer may need that slot refilled before it fills
+      this one (a warpgroup can skip several blocks after its last one: a ring of 2 would
+      deadlock)."""
+      plgpu.wgmma_wait(0)
+      release_pending_k(carry)
+      release(slot, None)
+      return carry[0], carry[1], jnp.int32(0)
+
+    def walk(step, release, carry):
+      """`step` over the CTA's key blocks, `release` for the skipped ones."""
       if cta_list is None:
         release_block = lambda j, c: release(slot_of(j), c)
         carry = lax.fori_loop(cta_lo, lo, release_block, carry)
@@ -171,20 +183,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
 
     if cfg.dq_in_flight:
       def accumulate(dq_acc):
-        last_slot, count = walk(functools.partial(step_in_flight, dq_acc),
-                                (jnp.int32(0), jnp.int32(0)))
+        carry = walk(functools.partial(step_in_flight, dq_acc), release_in_flight,
+                     (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
         plgpu.wgmma_wait(0)
-
-        @pl.when(count > 0)
-        def _():
-          plgpu.barrier_arrive(k_free.at[last_slot])
-
+        release_pending_k(carry)
         return dq_acc[...]
 
       dq = pl.run_scoped(accumulate, plgpu.ACC((block_q, head_dim), jnp.float32))
     else:
-      dq = walk(step, plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
-                                        common.WGMMA))
+      dq = walk(step, release, plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+                                                 common.WGMMA))
 
     q_smem.at[wg][...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()

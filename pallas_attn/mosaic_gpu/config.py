@@ -140,7 +140,7 @@ class KernelConfig:
   # dQ (not head_split): each step's dQ += dS K wgmma (dS through one of two shared-memory tiles
   # per warpgroup) is left running into the next step, whose S (and dP) wgmmas are issued behind
   # it; the next step's first wait covers it, and only then is its K slot released. Without it
-  # the warpgroup waits for dQ's wgmma before it issues the next S.
+  # the warpgroup waits for dQ's wgmma before it issues the next S. Needs stages >= 2.
   dq_in_flight: bool = False
 
   @property
@@ -168,6 +168,10 @@ class KernelConfig:
                        f"head_split={self.head_split}, stages={self.stages}")
     if self.dq_in_flight and self.head_split:
       raise ValueError("dq_in_flight is a layout of the plain dQ kernel, not of head_split")
+    if self.dq_in_flight and self.stages < 2:
+      # (A K slot is released at the next step's first wait, which needs the next block loaded:
+      # with one slot that block waits for the release.)
+      raise ValueError(f"dq_in_flight needs stages >= 2, got stages={self.stages}")
     if self.dq_column_halves and not self.fused_dq:
       raise ValueError("dq_column_halves is a layout of the fused dQ: it needs fused_dq=True")
     if (self.compute_registers % 8 or self.compute_registers < LAUNCH_REGISTERS
