@@ -120,7 +120,7 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # (benchmarks/NOTES.md session 8), against split_dkv's two launches.
     "dkv_head_split": {"dkv": dict(head_split=True, split_dkv=False, stages=2)},
     "dkv_head_split_1st": {"dkv": dict(head_split=True, split_dkv=False, stages=1)},
-    # Warpgroup 1 makes dP a step ahead (benchmarks/NOTES.md session 8: not yet timed).
+    # Warpgroup 1 makes dP a step ahead (benchmarks/NOTES.md session 9: 0.91-0.97x; off).
     "head_split_dp_ahead": {"dq": dict(dp_ahead=True), "dkv": dict(dp_ahead=True)},
     "dq_head_split": {"dq": dict(head_split=True, stages=2)},
     "dq_head_split_1st": {"dq": dict(head_split=True, stages=1)},

@@ -293,15 +293,15 @@ _LOWERED_VARIANTS = [
     (64, {"fwd": _K(64, 128, stages=3, overlap_qk=True, fold_scale=True, reverse_q_tiles=True,
                     grid_order=("heads", "batch", "tiles"), persistent=True)}),
     (256, {"fwd": _K(64, 64, persistent=True)}),  # the output through the q tile
-    # FlashAttention-3's register split (240 / 24) in every kind of kernel.
+    # FlashAttention-3's register split (240 / 24) in every kind of kernel (the fused dK/dV/dQ
+    # one below, with co_issue_dp; a fused dK/dV config would leave the dQ kernel unbuilt).
     (128, {"fwd": _K(64, 128, compute_registers=240), "dq": _K(64, 64, compute_registers=240),
-           "dkv": _K(64, 64, fused_dq=True, compute_registers=240)}),
+           "dkv": _K(64, 64, compute_registers=240)}),
     (256, {"dq": _K(64, 64, head_split=True, compute_registers=240),
            "dkv": _K(64, 64, head_split=True, dp_ahead=True, compute_registers=240)}),
     # Swizzled float32 tiles: the fused dQ part (whole, and column halves), the dP hand-over.
     (128, {"dkv": _K(64, 64, fused_dq=True, swizzle_f32=True)}),
-    (128, {"dq": _K(64, 64, co_issue_dp=True),
-           "dkv": _K(64, 64, fused_dq=True, co_issue_dp=True, compute_registers=240)}),
+    (128, {"dkv": _K(64, 64, fused_dq=True, co_issue_dp=True, compute_registers=240)}),
     (64, {"dq": _K(64, 128, co_issue_dp=True), "dkv": _K(128, 64, co_issue_dp=True)}),
     (128, {"dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True)}),
     (128, {"dq": _K(64, 64, co_issue_dp=True, dq_in_flight=True)}),
