@@ -60,6 +60,10 @@ KERNELS = config_lib.PASSES  # ("fwd", "dq", "dkv"): the three kernels a variant
 TILES_FIRST = ("tiles", "heads", "batch")
 TILES_LAST = ("heads", "batch", "tiles")
 
+# The forward without the overlap, with the ping-pong (what one-slot rings need: the overlap
+# frees V a step late).
+_PLAIN_FWD = dict(overlap_qk=False, ping_pong=True)
+
 # name -> {kernel: field changes to the table's config at the shape's head_dim}. "default" first.
 # Ordered as issue #4 lists them (causal balance, forward tiles, forward overlap, dQ, dK/dV).
 VARIANTS: dict[str, dict[str, dict]] = {
@@ -78,15 +82,27 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_kv64_4st": {"fwd": dict(block_kv=64, stages=4)},
     "fwd_kv64_6st": {"fwd": dict(block_kv=64, stages=6)},
     "fwd_kv128": {"fwd": dict(block_kv=128)},
-    "fwd_kv128_1st": {"fwd": dict(block_kv=128, stages=1)},
+    "fwd_kv128_1st": {"fwd": dict(block_kv=128, stages=1, **_PLAIN_FWD)},
     "fwd_kv128_3st": {"fwd": dict(block_kv=128, stages=3)},
     "fwd_kv192": {"fwd": dict(block_kv=192)},
-    "fwd_kv192_1st": {"fwd": dict(block_kv=192, stages=1)},
+    "fwd_kv192_1st": {"fwd": dict(block_kv=192, stages=1, **_PLAIN_FWD)},
     "fwd_kv256": {"fwd": dict(block_kv=256)},
-    "fwd_kv256_1st": {"fwd": dict(block_kv=256, stages=1)},
+    "fwd_kv256_1st": {"fwd": dict(block_kv=256, stages=1, **_PLAIN_FWD)},
     "fwd_no_ping_pong": {"fwd": dict(ping_pong=False)},
-    # e. FA3's intra-warpgroup overlap (the next tile's softmax under this tile's P V).
-    "fwd_overlap_3st": {"fwd": dict(overlap_qk=True, stages=3)},
+    # e. FA3's intra-warpgroup overlap (tile j's softmax under tile j - 1's P V; session 10:
+    # in place, one turn a step, K and V refilled on their own releases).
+    # On in the table at head_dim 128 and 256 without the ping-pong turns (session 10).
+    "fwd_overlap_turns": {"fwd": dict(overlap_qk=True, ping_pong=True)},
+    "fwd_overlap_turns_regs240": {"fwd": dict(overlap_qk=True, ping_pong=True,
+                                              compute_registers=240)},
+    "fwd_overlap_3st": {"fwd": dict(overlap_qk=True, ping_pong=True, stages=3)},
+    # The table's forward at head_dim 128 and 256 before session 10: the ping-pong alone.
+    "fwd_ping_pong": {"fwd": _PLAIN_FWD},
+    "fwd_overlap_no_pp_3st": {"fwd": dict(overlap_qk=True, ping_pong=False, stages=3)},
+    "fwd_overlap_no_pp_regs240": {"fwd": dict(overlap_qk=True, ping_pong=False,
+                                              compute_registers=240)},
+    "fwd_overlap_no_pp_kv192_regs240": {"fwd": dict(overlap_qk=True, ping_pong=False,
+                                                    block_kv=192, compute_registers=240)},
     "fwd_overlap_kv64_3st": {"fwd": dict(overlap_qk=True, block_kv=64, stages=3)},
     "fwd_overlap_no_pp": {"fwd": dict(overlap_qk=True, ping_pong=False)},
     "fwd_overlap_kv64_no_pp": {"fwd": dict(overlap_qk=True, block_kv=64, ping_pong=False)},

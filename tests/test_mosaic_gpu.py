@@ -107,6 +107,8 @@ _VARIANTS = {
     "kv64_3stages": {"fwd": _K(64, 64, stages=3), "dq": _K(64, 64, stages=3),
                      "dkv": _K(64, 64, stages=3)},
     "overlap_qk_kv64_3stages": {"fwd": _K(64, 64, stages=3, overlap_qk=True)},
+    # Two slots with the ping-pong (the producer refills K and V on their own releases).
+    "overlap_qk": {"fwd": _K(64, 128, overlap_qk=True, fold_scale=True)},
     "overlap_qk_no_ping_pong": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False)},
     "fold_scale_ro_store": {"fwd": _K(64, 128, fold_scale=True, read_only_store_wait=True)},
     "fold_scale_overlap_qk": {"fwd": _K(64, 64, stages=3, overlap_qk=True, fold_scale=True)},
@@ -164,6 +166,9 @@ _VARIANT_CASES = [
     # Unmasked tiles (folded) next to masked ones (scaled by the scorer) in one running max.
     ("fold_scale_ro_store", _CAUSAL_203),
     ("fold_scale_overlap_qk", _CAUSAL_203),
+    ("overlap_qk", _CAUSAL_203),
+    ("overlap_qk", _GQA_CAUSAL_LENGTHS_330),  # skipped blocks take their turns too
+    ("overlap_qk", cases.get_case("window_l32_r8_203x113")),
     # dQ from the dK/dV kernel: a group of 4 summed per kv head, masked end tiles, rows with no
     # key, and the bigger query block.
     ("fused_dq", _CAUSAL_203),
@@ -284,6 +289,8 @@ _LOWERED_VARIANTS = [
            "dkv": _K(64, 64, stages=3, grid_order=("tiles", "heads", "batch"))}),
     (256, {"fwd": _K(64, 128, stages=1)}),
     (128, {"fwd": _K(64, 128, stages=3, overlap_qk=True)}),
+    (128, {"fwd": _K(64, 128, overlap_qk=True, fold_scale=True)}),
+    (256, {"fwd": _K(64, 64, overlap_qk=True, fold_scale=True, compute_registers=240)}),
     (256, {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)}),
     (128, {"fwd": _K(64, 128, fold_scale=True, read_only_store_wait=True)}),
     (128, {"dkv": _K(64, 64, fused_dq=True)}),
@@ -373,12 +380,12 @@ def test_variant_over_shared_memory_says_so(head_dim, pass_, cfg):
         **{f"{pass_}_cfg": cfg})[0].astype(jnp.float32).sum())(q), q)
 
 
-def test_overlap_qk_needs_a_deeper_ring():
-  with pytest.raises(ValueError, match="overlap_qk needs stages >= 2, and >= 3 with ping_pong"):
-    _K(64, 128, stages=2, overlap_qk=True)
+def test_overlap_qk_needs_two_slots():
+  with pytest.raises(ValueError, match="overlap_qk needs stages >= 2"):
+    _K(64, 128, stages=1, overlap_qk=True)
   with pytest.raises(ValueError, match="overlap_qk needs"):
     _K(64, 128, stages=1, overlap_qk=True, ping_pong=False)
-  assert _K(64, 128, stages=2, overlap_qk=True, ping_pong=False).overlap_qk
+  assert _K(64, 128, stages=2, overlap_qk=True).overlap_qk
 
 
 def test_smem_budget_counts_as_mosaic_gpu_does(monkeypatch):
@@ -497,6 +504,11 @@ _GPU_VARIANTS = {
         "dkv": _K(128, 64, stages=1)},
     "kv64_3stages": _VARIANTS["kv64_3stages"],
     "overlap_qk_3stages": {"fwd": _K(64, 128, stages=3, overlap_qk=True)},
+    "overlap_qk": _VARIANTS["overlap_qk"],
+    # The forward of the table before session 10: the ping-pong without the overlap.
+    "ping_pong": {"fwd": _K(64, 128, fold_scale=True)},
+    "overlap_qk_regs240": {"fwd": _K(64, 128, overlap_qk=True, fold_scale=True,
+                                     compute_registers=240)},
     "overlap_qk_kv64_no_ping_pong": {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False)},
     "fused_dq": {"dkv": _K(64, 64, fused_dq=True)},
     "dq_column_halves": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True)},
@@ -521,6 +533,32 @@ _GPU_VARIANTS = {
               cases.get_case("gqa_causal_lengths_113x203"))])
 def test_gpu_variants_match_reference(variant, case, seed):
   with kernel_table(case.head_dim, _GPU_VARIANTS[variant]):
+    _poison_allocator(64 << 20)
+    cases.check_case(case, "mosaic_gpu", seed=seed)
+
+
+# The forward layouts the table does not use at the other head dims: the overlap at d64 (a
+# [64, 64] accumulator beside a [64, 128] S), with and without turns; the ping-pong turns with
+# the overlap at d256 ([64, 256] beside [64, 64], 240 registers), and the plain ping-pong there.
+_GPU_OVERLAP = {
+    "d64_overlap": (64, _K(64, 128, overlap_qk=True, fold_scale=True, ping_pong=False)),
+    "d64_overlap_turns": (64, _K(64, 128, overlap_qk=True, fold_scale=True)),
+    "d256_overlap_turns": (256, _K(64, 64, overlap_qk=True, fold_scale=True,
+                                   compute_registers=240)),
+    "d256_ping_pong": (256, _K(64, 64, fold_scale=True)),
+}
+
+
+@gpu
+@pytest.mark.parametrize("variant,case", [
+    pytest.param(v, c.replace(dtype=cases.F16 if d == 64 else cases.BF16, head_dim=d),
+                 id=f"{v}-{c.name}")
+    for v, (d, _) in _GPU_OVERLAP.items()
+    for c in (cases.get_case("causal_1023x1024"), cases.get_case("mha_1000x1000"),
+              cases.get_case("gqa_causal_window_lengths_1000x1000"))])
+def test_gpu_forward_layouts_other_head_dims(variant, case, seed):
+  head_dim, cfg = _GPU_OVERLAP[variant]
+  with kernel_table(head_dim, {"fwd": cfg}):
     _poison_allocator(64 << 20)
     cases.check_case(case, "mosaic_gpu", seed=seed)
 

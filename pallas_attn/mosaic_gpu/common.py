@@ -205,6 +205,42 @@ def matmul_overlapped(lhs, rhs, shape, staging, while_running):
   return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
 
 
+def matmul_then_rescaled_acc(first, acc, acc_scale, lhs, rhs, *, after_issue, between,
+                             between_init, staging=None):
+  """FlashAttention-3's step inside a warpgroup: `first` = (lhs, rhs, [M, N]) into a fresh
+  float32 accumulator (shared-memory operands, as in `matmul`), then acc * acc_scale (one value
+  per row) + lhs @ rhs in place (lhs a register array, as in `matmul_acc`), the two wgmmas
+  issued back to back (the rescale runs while the first is on the tensor cores); then
+  `after_issue()`; then the first product alone is awaited and `between(first_product)` runs on
+  the CUDA cores while the second wgmma is still on the tensor cores.
+
+  Returns (the new acc, between's result). `between_init`: a pytree of arrays shaped like
+  between's result, whose values are not used: compiled, the result leaves `pl.run_state` (whose
+  end awaits the second wgmma) through refs that start from it. The interpreter (`staging`
+  given, see `matmul_acc`) runs the same arithmetic one step after the other."""
+  if staging is not None:
+    product = matmul(first[0], first[1], first[2])
+    after_issue()
+    result = between(product)
+    return matmul_acc(acc * broadcast_rows(acc_scale, acc.shape), lhs, rhs, staging), result
+
+  def issue(first_ref):
+    plgpu.wgmma(first_ref, first[0], first[1])
+    scaled = acc * broadcast_rows(acc_scale, acc.shape)
+
+    def second(refs):
+      acc_ref, result_refs = refs
+      plgpu.wgmma(acc_ref, lhs, rhs)
+      after_issue()
+      result = between(plgpu.wgmma_accumulator_load(first_ref, wait_n=1))
+      for ref, value in zip(jax.tree.leaves(result_refs), jax.tree.leaves(result)):
+        ref[...] = value
+
+    return pl.run_state(second)((plgpu.ACC.init(scaled), between_init))
+
+  return pl.run_scoped(issue, plgpu.ACC(first[2], jnp.float32))
+
+
 def staging_scratch(interpret: bool, shape, dtype):
   """The shared-memory staging buffer `matmul_acc` needs in the interpreter (none compiled)."""
   return (plgpu.SMEM(shape, dtype, transforms=TILE_TRANSFORMS),) if interpret else ()
@@ -285,21 +321,23 @@ def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free, start=Non
   barrier phase is observed by every waiter (the interpreter requires it, and it keeps the CTA
   alive until the last reads of shared memory are done).
 
+  `issue_copies` and `wait_slot_free` may be tuples of the same length: a slot of several parts
+  (K and V) that the consumers release one by one, each part refilled as soon as its own release
+  came (part 0's wait and copy, then part 1's, ...).
+
   `start` (a persistent kernel, whose ring runs on across work items): the ring's running count
   before these steps. Step i then goes to slot (start + i) % stages, waiting for it when
   start + i >= stages; there is no drain (`drain_ring` once, after the last item), and the
   function returns start + num_steps.
   """
+  parts = _ring_parts(issue_copies, wait_slot_free)
 
   def step(i, carry):
     count = i if start is None else start + i  # (no add in the one-item kernels' jaxpr)
     slot = lax.rem(count, stages)
-
-    @pl.when(count >= stages)
-    def _():
-      wait_slot_free(slot)
-
-    issue_copies(i, slot)
+    for issue, wait in parts:
+      pl.when(count >= stages)(lambda: wait(slot))
+      issue(i, slot)
     return carry
 
   lax.fori_loop(0, num_steps, step, None)
@@ -308,43 +346,73 @@ def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free, start=Non
   drain_ring(num_steps, stages, wait_slot_free)
 
 
+def _ring_parts(issue_copies, wait_slot_free):
+  """[(issue, wait)] of each part of a ring slot (`produce_ring`)."""
+  if not isinstance(issue_copies, tuple):
+    return [(issue_copies, wait_slot_free)]
+  if not isinstance(wait_slot_free, tuple) or len(wait_slot_free) != len(issue_copies):
+    raise ValueError("a ring of several parts needs one wait per copy")
+  return list(zip(issue_copies, wait_slot_free))
+
+
 def drain_ring(num_steps, stages: int, wait_slot_free):
-  """Wait for the consumers' releases of the last `stages` of `num_steps` ring steps."""
+  """Wait for the consumers' releases of the last `stages` of `num_steps` ring steps (of every
+  part of a slot when `wait_slot_free` is a tuple, as in `produce_ring`)."""
+  waits = wait_slot_free if isinstance(wait_slot_free, tuple) else (wait_slot_free,)
 
   def drain(i, carry):
-    wait_slot_free(lax.rem(i, stages))
+    for wait in waits:
+      wait(lax.rem(i, stages))
     return carry
 
   lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
 
 
 def kv_copies(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, batch, kv_head,
-              block_of, block_kv: int):
+              block_of, block_kv: int, split: bool = False):
   """(issue_copies, wait_slot_free) of `produce_ring` for key blocks block_of(i) of K and V
-  ([batch, seq, heads_kv, head_dim]), each slot's K and V completing on their own barriers."""
+  ([batch, seq, heads_kv, head_dim]), each slot's K and V completing on their own barriers.
+  `split`: K and V are the slot's two parts, each refilled once its own release came (consumers
+  that free a block's K slot a step before its V slot: `KernelConfig.overlap_qk`); else the slot
+  is refilled once both K and V are free."""
+
+  def rows(i):
+    return (batch, pl.ds(block_of(i) * block_kv, block_kv), kv_head)
+
+  def issue_k(i, slot, index=None):
+    plgpu.copy_gmem_to_smem(k_ref.at[index or rows(i)], k_smem.at[slot], k_full.at[slot])
+
+  def issue_v(i, slot, index=None):
+    plgpu.copy_gmem_to_smem(v_ref.at[index or rows(i)], v_smem.at[slot], v_full.at[slot])
+
+  wait_k = lambda slot: plgpu.barrier_wait(k_free.at[slot])
+  wait_v = lambda slot: plgpu.barrier_wait(v_free.at[slot])
+  if split:
+    return (issue_k, issue_v), (wait_k, wait_v)
 
   def issue(i, slot):
-    rows = (batch, pl.ds(block_of(i) * block_kv, block_kv), kv_head)
-    plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[slot], k_full.at[slot])
-    plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[slot], v_full.at[slot])
+    index = rows(i)
+    issue_k(i, slot, index)
+    issue_v(i, slot, index)
 
   def wait_free(slot):
-    plgpu.barrier_wait(k_free.at[slot])
-    plgpu.barrier_wait(v_free.at[slot])
+    wait_k(slot)
+    wait_v(slot)
 
   return issue, wait_free
 
 
 def produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, batch, kv_head,
-               block_of, num_blocks, block_kv: int, stages: int, registers: int):
+               block_of, num_blocks, block_kv: int, stages: int, registers: int,
+               split: bool = False):
   """The producer warpgroup of the forward and dQ kernels: key blocks block_of(i),
   0 <= i < num_blocks, of K and V ([batch, seq, heads_kv, head_dim]) into the ring, each slot's K
-  and V completing on their own barriers. `registers`: the producer's share
-  (`KernelConfig.producer_registers`)."""
+  and V completing on their own barriers (`split`: see `kv_copies`). `registers`: the producer's
+  share (`KernelConfig.producer_registers`)."""
   plgpu.set_max_registers(registers, action="decrease")
   issue, wait_free = kv_copies(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
                                batch=batch, kv_head=kv_head, block_of=block_of,
-                               block_kv=block_kv)
+                               block_kv=block_kv, split=split)
   produce_ring(num_blocks, stages, issue, wait_free)
 
 

@@ -49,15 +49,18 @@ class KernelConfig:
   stages: int = 2
   # Forward only: FlashAttention-3's ping-pong. The two compute warpgroups meet at a barrier
   # twice per key block, offset by one meeting, so one's softmax runs while the other's matmuls
-  # hold the tensor cores.
+  # hold the tensor cores; with overlap_qk they take turns instead (one wait, one hand-over a
+  # step). Off in the table where overlap_qk is on: the turns cost more than they order.
   ping_pong: bool = True
   # dK/dV only: compute dV and dK in two launches (when both accumulators don't fit registers).
   split_dkv: bool = False
-  # Forward only: FlashAttention-3's intra-warpgroup overlap: tile j's softmax runs while the
-  # tensor cores multiply tile j - 1's probabilities by its V (two tiles' values live: more
-  # registers). V slot j - 1 is freed only after tile j's K slot was waited for, so the ring
-  # needs a slot more than without: 2 stages, 3 with ping-pong (whose meetings would otherwise
-  # hold one warpgroup at a meeting the other reaches only after that K slot is refilled).
+  # Forward only: FlashAttention-3's intra-warpgroup overlap. Each step issues tile j's QK^T and
+  # tile j - 1's P V back to back (the accumulator added to in place) and runs tile j's softmax
+  # while P V is on the tensor cores; with ping_pong, a warpgroup takes its turn at the tensor
+  # cores once per step (one barrier each way, FA3's scheduler barriers). K slot j is freed once
+  # S(j) is made and V slot j - 1 one step later; the producer refills K and V each on its own
+  # release, so 2 stages keep a step of lead. The range walks only: a block table (segment ids)
+  # is walked as without it, with the ping-pong meetings whatever `ping_pong` says.
   overlap_qk: bool = False
   # Forward and dQ: visit the query tiles last first. Under a causal mask the last tile sees the
   # most keys, so the heaviest CTAs start in the first wave and the tail wave is made of light
@@ -155,10 +158,9 @@ class KernelConfig:
       raise ValueError(f"block_kv ({self.block_kv}) must be at most 256 (the wgmma width)")
     if self.stages < 1:
       raise ValueError(f"stages must be >= 1, got {self.stages}")
-    if self.overlap_qk and self.stages < (3 if self.ping_pong else 2):
-      raise ValueError(f"overlap_qk needs stages >= 2, and >= 3 with ping_pong (the V slot of "
-                       f"tile j - 1 is freed after tile j's K slot is waited for), got "
-                       f"stages={self.stages}, ping_pong={self.ping_pong}")
+    if self.overlap_qk and self.stages < 2:
+      raise ValueError(f"overlap_qk needs stages >= 2 (V slot j - 1 is freed after tile j's K "
+                       f"slot is waited for), got stages={self.stages}")
     if self.fused_dq and self.split_dkv:
       raise ValueError("fused_dq needs dK and dV from one launch (split_dkv=False)")
     if self.head_split and (self.split_dkv or self.fused_dq):
@@ -202,10 +204,17 @@ NUM_SMS = 132
 # Forward: fold_scale on (H200, d128, N 4096 / 16384, causal and not: 1.01-1.03x the unfolded
 # kernel in one tuner run, above the default's re-run at every shape; benchmarks/NOTES.md
 # session 7). The unfolded path still serves soft-caps, biases, ALiBi and score functions.
+# head_dim 128 and 256 forward: FA3's intra-warpgroup overlap, each warpgroup on its own (no
+# ping-pong turns: the two warpgroups' wgmma pairs interleave at the tensor cores by themselves).
+# H200, one tuner run each: d128 1.06-1.10x the ping-pong forward at N 4096 / 16384, causal and
+# not (653 TFLOP/s at N 16384), twice; with the turns 1.03-1.07x; d256 1.14-1.19x. At head_dim 64,
+# whose tiles are softmax-bound, it is 0.87-0.93x: not used there (benchmarks/NOTES.md session 10).
 DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     (64, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True),
-    (128, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True),
-    (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True),
+    (128, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True, overlap_qk=True,
+                               ping_pong=False),
+    (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True, overlap_qk=True,
+                               ping_pong=False),
     (64, "dq"): KernelConfig(block_q=64, block_kv=64),
     # head_dim 128: dP's wgmma issued behind S's (P made under it), and in dK/dV dV's and dK's
     # wgmmas issued together (H200, fwd+bwd 1.10-1.12x non-causal, 1.02-1.03x causal at N 4096 /

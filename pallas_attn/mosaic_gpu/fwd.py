@@ -19,8 +19,9 @@ keep-mask and scaled by 1 / (1 - rate). `cfg.overlap_qk` applies to the range lo
 table is walked one tile at a time.
 
 Options of `cfg` (config.KernelConfig) beyond the tile sizes: `ping_pong` (the two warpgroups
-take turns at the tensor cores, FlashAttention-3), `overlap_qk` (each warpgroup runs tile j's
-softmax while its tile j - 1 P V is on the tensor cores), `reverse_q_tiles` (the CTA at grid
+take turns at the tensor cores, FlashAttention-3), `overlap_qk` (each warpgroup issues tile j's
+QK^T and tile j - 1's P V together and runs tile j's softmax while P V is on the tensor cores; on
+in the table at head_dim 128 and 256, without the ping-pong), `reverse_q_tiles` (the CTA at grid
 index i owns the i-th query tile from the end: causal CTAs with the most keys start first) and
 `grid_order` (launch order), `fold_scale` (scale * log2(e) folded into exp2's fused multiply-add
 on unmodified, unmasked tiles), `read_only_store_wait` (the epilogue waits for its TMA stores
@@ -115,7 +116,7 @@ class _Schedule:
 
 def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, out_ref, lse_ref,
             qo_smem, k_smem, v_smem, lse_smem, o_smem, p_staging, q_full, k_full, v_full, k_free,
-            v_free, schedule, *,
+            v_free, schedule, turns, *,
             spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
             num_q_tiles: int, num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods,
             work_schedule: _Schedule | None = None):
@@ -140,6 +141,23 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     else:
       cta_list = block_table.CtaList.read(table_refs, batch=batch, head=head, tile=q_tile)
     return _Work(batch, head, kv_head, q_length, kv_length, cta_start, cta_lo, cta_hi, cta_list)
+
+  # overlap_qk's ping-pong (see `consume`) on the range walks: the turns alternate over the
+  # whole CTA, a persistent one's items included (each warpgroup takes as many turns an item as
+  # the other), so warpgroup 1 hands the first turn over once and warpgroup 0 takes the last
+  # one once, where a CTA's work begins and ends.
+  taking_turns = cfg.overlap_qk and cfg.ping_pong and table_refs is None
+  # The producer refills K and V on their own releases where the overlapped walk frees them a
+  # step apart (a block table is walked without the overlap).
+  split_kv_refills = cfg.overlap_qk and table_refs is None
+
+  def first_turn(wg):
+    if taking_turns:
+      pl.when(wg == 1)(lambda: plgpu.barrier_arrive(turns[0].at[0]))
+
+  def last_turn(wg):
+    if taking_turns:
+      pl.when(wg == 0)(lambda: plgpu.barrier_wait(turns[0].at[0]))
 
   def q_copy(wg, batch, head, q_start):
     """This warpgroup's q tile from global memory into its half of `qo_smem`."""
@@ -186,9 +204,14 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     fold_scale = cfg.fold_scale and (mods.soft_cap is None and mods.bias is None
                                      and not mods.alibi and mods.element_fns is None)
 
+    # The ping-pong meetings of the plain walk. A block table walk of an overlap_qk config meets
+    # whatever `cfg.ping_pong` says: it is the plain walk, which is fastest with the meetings
+    # (the table turns them off only for the overlapped range walk).
+    meetings = cfg.ping_pong or (cfg.overlap_qk and cta_list is not None)
+
     def meet():
       """One ping-pong meeting of the two compute warpgroups (no-op without ping-pong)."""
-      if cfg.ping_pong:
+      if meetings:
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(schedule)
 
@@ -209,13 +232,18 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       # The first meeting lets the other warpgroup's softmax start once this QK^T is issued.
       s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv),  # [block_q, block_kv]
                         while_running=meet)
+      s, c = after_qk(j, slot, s, cols, masked)
+      return s, cols, c
+
+    def after_qk(j, slot, s, cols, masked: bool):
+      """Once tile j's S is made: its K slot freed, then (s, c), the base-2 logits being s * c."""
       plgpu.barrier_arrive(k_free.at[slot])
       if q_after_last_qk:  # q_smem is read for the last time: the next q may come in
         pl.when(j == hi - 1)(next_q)
       if fold_scale and not masked:  # the raw tile: online_softmax scales its max instead
-        return s, cols, scale * common.LOG2E
+        return s, scale * common.LOG2E
       s, _ = scores(s, cols, masked=masked)
-      return s, cols, 1.0
+      return s, 1.0
 
     def online_softmax(s, m_i, l_i, c=1.0):
       """Online softmax in base 2 of the logits s * c: (p, m_new, l_new, alpha), the old state
@@ -236,7 +264,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     def tensor_core_turn(slot):
       """Before P V: the V slot is filled and (ping-pong) the second meeting says the tensor
       cores are ours."""
-      if cfg.ping_pong:
+      if meetings:
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_full.at[slot])
         plgpu.barrier_wait(schedule)
@@ -257,36 +285,76 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       plgpu.barrier_arrive(v_free.at[slot])
       return acc, m_new, l_i
 
-    # cfg.overlap_qk (FlashAttention-3's intra-warpgroup overlap): tile j's softmax runs while
-    # the tensor cores multiply tile j - 1's probabilities by its V. The carry holds those
-    # probabilities (p, not yet applied); the first tile has no predecessor, and the last tile's
-    # P V follows the loop. V slot j - 1 is freed in step j, so the ring needs 2 slots.
+    # cfg.overlap_qk (FlashAttention-3's intra-warpgroup overlap) on the range walk: the step
+    # of tile j issues S(j) = q K(j)^T and then acc += P(j - 1) V(j - 1) back to back, and runs
+    # tile j's softmax while the second is on the tensor cores; P(j - 1) and the rescale factor
+    # that goes with it ride in the carry. The accumulator is added to in place, so what is live
+    # is acc, S(j) and P(j - 1) (FA3's 64 + 64 + 32 registers a thread at head_dim 128). K slot j
+    # is freed as soon as S(j) is made, V slot j - 1 after the step's second wgmma, and the
+    # producer refills each part of a slot on its own release (`common.kv_copies`' split). The
+    # ping-pong is FA3's too: a warpgroup waits for its turn (its `turns` barrier) before it
+    # issues a step's two wgmmas, and hands the turn over right after, so the only blocking
+    # point of a step is the turn itself.
+    def my_turn():
+      if cfg.ping_pong:
+        plgpu.barrier_wait(turns[0].at[wg])
+
+    def your_turn():
+      if cfg.ping_pong:
+        plgpu.barrier_arrive(turns[0].at[1 - wg])
+
+    def release_in_turn(slot, carry):
+      """A slot the other warpgroup computes on: this warpgroup's turn passes, then the release."""
+      my_turn()
+      your_turn()
+      common.release_kv(slot, k_full, v_full, k_free, v_free)
+      return carry
+
+    def softmax_after_qk(j, slot, cols, masked: bool, m_i, l_i):
+      """Tile j's softmax, from its S: (the dropped weights P in float32, m, l, alpha)."""
+
+      def run(s):
+        s, c = after_qk(j, slot, s, cols, masked)
+        p, m_new, l_new, alpha = online_softmax(s, m_i, l_i, c)
+        return scores.dropped(p, scores.dropout_keep(p, cols)), m_new, l_new, alpha
+
+      return run
+
     def first_step(carry):
-      acc, m_i, l_i, _ = carry
-      s, cols, c = qk(lo, slot_of(lo), masked=True)  # (masking a tile that needs none is exact)
-      p, m_new, l_i, _ = online_softmax(s, m_i, l_i, c)  # acc is zero: nothing to rescale
-      meet()  # this block's second meeting
-      return acc, m_new, l_i, scores.dropped(p, scores.dropout_keep(p, cols)).astype(dtype)
+      """Tile lo: S and its softmax; no P V yet (acc is zero: alpha rescales nothing)."""
+      acc, m_i, l_i, _, _ = carry
+      slot = slot_of(lo)
+      cols = scores.columns(lo, block_kv, masked=True)  # (masking a tile that needs none is exact)
+      plgpu.barrier_wait(k_full.at[slot])
+      my_turn()
+      s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv), while_running=your_turn)
+      p, m_new, l_i, alpha = softmax_after_qk(lo, slot, cols, True, m_i, l_i)(s)
+      return acc, m_new, l_i, p.astype(dtype), alpha
 
     def overlapped_step(j, carry, *, masked: bool):
-      acc, m_i, l_i, p_prev = carry
+      acc, m_i, l_i, p_prev, alpha_prev = carry
       slot, prev = slot_of(j), slot_of(j - 1)
-      s, cols, c = qk(j, slot, masked)
-      tensor_core_turn(prev)
-      pv, (p, m_new, l_i, alpha) = common.matmul_overlapped(
-          p_prev, v_smem.at[prev], acc.shape, staging,
-          while_running=lambda: online_softmax(s, m_i, l_i, c))
+      cols = scores.columns(j, block_kv, masked=masked)
+      plgpu.barrier_wait(k_full.at[slot])
+      plgpu.barrier_wait(v_full.at[prev])
+      my_turn()
+      p_init = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), common.WGMMA)
+      acc, (p, m_new, l_i, alpha) = common.matmul_then_rescaled_acc(
+          (q_smem, k_smem.at[slot].T, (block_q, block_kv)), acc, alpha_prev, p_prev,
+          v_smem.at[prev], after_issue=your_turn,
+          between=softmax_after_qk(j, slot, cols, masked, m_i, l_i),
+          between_init=(p_init, m_i, l_i, alpha_prev), staging=staging)
       plgpu.barrier_arrive(v_free.at[prev])
-      acc = (acc + pv) * common.broadcast_rows(alpha, acc.shape)
-      return acc, m_new, l_i, scores.dropped(p, scores.dropout_keep(p, cols)).astype(dtype)
+      return acc, m_new, l_i, p.astype(dtype), alpha
 
     def last_pv(carry):
-      acc, m_i, l_i, p = carry
+      acc, m_i, l_i, p, alpha = carry
       last = slot_of(hi - 1)
       plgpu.barrier_wait(v_full.at[last])
-      acc = common.matmul_acc(acc, p, v_smem.at[last], staging)
+      acc = common.matmul_acc(acc * common.broadcast_rows(alpha, acc.shape), p, v_smem.at[last],
+                              staging)
       plgpu.barrier_arrive(v_free.at[last])
-      return acc, m_i, l_i, p
+      return acc, m_i, l_i, p, alpha
 
     plgpu.barrier_wait(q_full.at[wg])
     carry = (
@@ -294,17 +362,22 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
         plgpu.layout_cast(jnp.full((block_q,), numerics.M_INIT, jnp.float32), common.WGMMA_ROW),
         plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), common.WGMMA_ROW),
     )
-    pl.when(wg == 1)(meet)  # offsets the two warpgroups by one meeting
+    overlapped = cfg.overlap_qk and cta_list is None
+    if not overlapped:
+      pl.when(wg == 1)(meet)  # offsets the two warpgroups by one meeting
+    elif not persistent:
+      first_turn(wg)
     if cta_list is not None:  # both warpgroups walk the whole list: two meetings per entry
       carry = cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(ring_count(i), stages),
                              release=release, step=step)
       if persistent and o_smem:  # (which entry is this warpgroup's last QK^T is not known)
         next_q()
     else:
-      release_block = lambda j, c: release(slot_of(j), c)
+      release_block = lambda j, c: (release_in_turn if overlapped else release)(slot_of(j), c)
       lax.fori_loop(cta_lo, lo, release_block, None)
-      if cfg.overlap_qk:
-        carry += (plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), common.WGMMA),)
+      if overlapped:
+        carry += (plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), common.WGMMA),
+                  plgpu.layout_cast(jnp.ones((block_q,), jnp.float32), common.WGMMA_ROW))
         keep = lambda c: c
         carry = lax.cond(lo < hi, first_step, keep, carry)
         start = lo + 1  # (past hi when there is no tile: the loops below run zero times)
@@ -319,7 +392,10 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       if q_after_last_qk:  # no QK^T at all (rows past the length, or no visible key)
         pl.when(hi <= lo)(next_q)
       lax.fori_loop(hi, cta_hi, release_block, None)
-    pl.when(wg == 0)(meet)
+    if not overlapped:
+      pl.when(wg == 0)(meet)
+    elif not persistent:
+      last_turn(wg)
     acc, m_i, l_i = carry
 
     rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=common.WGMMA_ROW)
@@ -346,9 +422,11 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       plgpu.wait_smem_to_gmem(0)
 
   if work_schedule is not None:
-    _persistent(work_schedule, work_item, q_copy, consume, cfg=cfg, num_q_tiles=num_q_tiles,
+    _persistent(work_schedule, work_item, q_copy, consume, (first_turn, last_turn), cfg=cfg,
+                num_q_tiles=num_q_tiles,
                 produce=functools.partial(common.kv_copies, k_ref, v_ref, k_smem, v_smem, k_full,
-                                          v_full, k_free, v_free, block_kv=block_kv))
+                                          v_full, k_free, v_free, block_kv=block_kv,
+                                          split=split_kv_refills))
     return
 
   batch = lax.axis_index("batch")
@@ -362,7 +440,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     common.produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
                       batch=batch, kv_head=work.kv_head, block_of=work.block_of,
                       num_blocks=work.num_blocks(), block_kv=block_kv, stages=stages,
-                      registers=cfg.producer_registers)
+                      registers=cfg.producer_registers, split=split_kv_refills)
 
   @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
   def _consumer():
@@ -370,7 +448,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     consume(wg, work)
 
 
-def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, *, produce,
+def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, turn_ends, *, produce,
                 cfg: config_lib.KernelConfig, num_q_tiles: int):
   """The persistent grid's CTA (`cfg.persistent`): every warpgroup walks the CTA's work items
   (`work_schedule`) in the same order. The producer keeps one K/V ring across them (slot = its
@@ -378,7 +456,8 @@ def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, *, produce
   count to find the slots, loads its first q before the walk and each next one from `consume`,
   and waits for its last output store at the end. The ping-pong meetings pair up within each
   item exactly as in a one-item CTA (warpgroup 1's offset meeting first, warpgroup 0's closing
-  one last)."""
+  one last), and overlap_qk's turns alternate across the items (`turn_ends`: where the CTA's
+  first turn is handed over and its last one taken)."""
   cta = lax.axis_index(_SM_AXIS)
   wg = lax.axis_index("wg")
   num_items = work_schedule.count(cta)
@@ -426,7 +505,10 @@ def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, *, produce
       consume(wg, work, slot_base=slot_base, next_q=next_q)
       return slot_base + work.num_blocks()
 
+    first_turn, last_turn = turn_ends
+    first_turn(wg)
     lax.fori_loop(0, num_items, consume_item, jnp.int32(0))
+    last_turn(wg)
     plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.read_only_store_wait)
 
 
@@ -497,4 +579,6 @@ def scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret:
       plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # k slot free
       plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # v slot free
       plgpu.Barrier(num_arrivals=wgs),  # ping-pong meetings
+      # overlap_qk's ping-pong: each warpgroup's turn at the tensor cores
+      (plgpu.Barrier(num_barriers=wgs),) if cfg.overlap_qk else (),
   ]
