@@ -143,7 +143,8 @@ class KernelConfig:
   # dQ (not head_split): each step's dQ += dS K wgmma (dS through one of two shared-memory tiles
   # per warpgroup) is left running into the next step, whose S (and dP) wgmmas are issued behind
   # it; the next step's first wait covers it, and only then is its K slot released. Without it
-  # the warpgroup waits for dQ's wgmma before it issues the next S. Needs stages >= 2.
+  # the warpgroup waits for dQ's wgmma before it issues the next S. Needs stages >= 2. H200,
+  # d128 fwd+bwd: 0.91-0.96x (benchmarks/NOTES.md session 10); off.
   dq_in_flight: bool = False
 
   @property
