@@ -187,24 +187,6 @@ def matmul_acc_smem(acc, lhs, rhs, interpret: bool) -> jax.Array:
   return matmul_acc(acc, lhs, rhs)
 
 
-def matmul_overlapped(lhs, rhs, shape, staging, while_running):
-  """(lhs @ rhs into a fresh float32 accumulator, while_running()): lhs a register array,
-  `while_running` computed on the CUDA cores while the wgmma runs. In the interpreter lhs is
-  staged through the shared-memory ref `staging`, as in `matmul_acc`."""
-  if staging is not None:
-    staging[...] = lhs
-    plgpu.commit_smem()
-    lhs = staging
-
-  def body(acc_ref):
-    plgpu.wgmma(acc_ref, lhs, rhs)
-    result = while_running()
-    plgpu.wgmma_wait(0)
-    return acc_ref[...], result
-
-  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
-
-
 def matmul_then_rescaled_acc(first, acc, acc_scale, lhs, rhs, *, after_issue, between,
                              between_init, staging=None):
   """FlashAttention-3's step inside a warpgroup: `first` = (lhs, rhs, [M, N]) into a fresh
