@@ -100,6 +100,14 @@ def test_interpreted_dropout_matches_portable(name, seed):
   assert interpret_pallas_call.get_races().races_found is False
 
 
+def test_interpreted_dropout_in_the_overlapped_forward(seed):
+  """The table's head_dim 128 forward (`overlap_qk`) drops tile j's weights while tile j - 1's
+  P V runs: the regenerated keep-mask must meet the right tile."""
+  from pallas_attn.mosaic_gpu import config as config_lib
+  assert config_lib.kernel_config(128, "fwd").overlap_qk
+  _check(*_CASES["gqa_causal_77x150"], seed=seed, interpret=True, head_dim=128)
+
+
 def _api_outputs(q, k, v, do, key, implementation, interpret):
   def f(q, k, v):
     return pallas_attn.attention(q, k, v, is_causal=True, implementation=implementation,

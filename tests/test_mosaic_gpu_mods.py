@@ -197,6 +197,15 @@ def test_interpreted_modifiers_match_dense_reference(name, seed):
   _check(_CASES[name], seed, interpret=True)
 
 
+@pytest.mark.parametrize("name", ["softcap5_113x203", "alibi_causal_113x203"])
+def test_interpreted_modifiers_in_the_overlapped_forward(name, seed):
+  """The table's head_dim 128 forward (`overlap_qk`: tile j's modified logits and softmax made
+  while tile j - 1's P V runs) with a soft-cap, and with ALiBi under a causal mask; the cases
+  above run at head_dim 64, whose forward is the ping-pong one."""
+  assert config_lib.kernel_config(128, "fwd").overlap_qk
+  _check(_CASES[name].with_base(head_dim=128), seed, interpret=True)
+
+
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_modifier_kernels_lower_for_cuda(head_dim):
   """The Pallas -> Mosaic GPU lowering (layouts, which loads and ops it accepts) runs on the CPU:
