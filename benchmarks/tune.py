@@ -90,8 +90,8 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_kv256_1st": {"fwd": dict(block_kv=256, stages=1, **_PLAIN_FWD)},
     "fwd_no_ping_pong": {"fwd": dict(ping_pong=False)},
     # e. FA3's intra-warpgroup overlap (tile j's softmax under tile j - 1's P V; session 10:
-    # in place, one turn a step, K and V refilled on their own releases).
-    # On in the table at head_dim 128 and 256 without the ping-pong turns (session 10).
+    # in place, K and V refilled on their own releases), with the ping-pong turns (one a step).
+    # The table has it on at head_dim 128 and 256 without the turns (`fwd_overlap_no_pp`).
     "fwd_overlap_turns": {"fwd": dict(overlap_qk=True, ping_pong=True)},
     "fwd_overlap_turns_regs240": {"fwd": dict(overlap_qk=True, ping_pong=True,
                                               compute_registers=240)},

@@ -540,7 +540,7 @@ def test_gpu_variants_match_reference(variant, case, seed):
 # The forward layouts the table does not use at the other head dims: the overlap at d64 (a
 # [64, 64] accumulator beside a [64, 128] S), with and without turns; the ping-pong turns with
 # the overlap at d256 ([64, 256] beside [64, 64], 240 registers), and the plain ping-pong there.
-_GPU_OVERLAP = {
+_GPU_FORWARD_LAYOUTS = {
     "d64_overlap": (64, _K(64, 128, overlap_qk=True, fold_scale=True, ping_pong=False)),
     "d64_overlap_turns": (64, _K(64, 128, overlap_qk=True, fold_scale=True)),
     "d256_overlap_turns": (256, _K(64, 64, overlap_qk=True, fold_scale=True,
@@ -553,11 +553,11 @@ _GPU_OVERLAP = {
 @pytest.mark.parametrize("variant,case", [
     pytest.param(v, c.replace(dtype=cases.F16 if d == 64 else cases.BF16, head_dim=d),
                  id=f"{v}-{c.name}")
-    for v, (d, _) in _GPU_OVERLAP.items()
+    for v, (d, _) in _GPU_FORWARD_LAYOUTS.items()
     for c in (cases.get_case("causal_1023x1024"), cases.get_case("mha_1000x1000"),
               cases.get_case("gqa_causal_window_lengths_1000x1000"))])
 def test_gpu_forward_layouts_other_head_dims(variant, case, seed):
-  head_dim, cfg = _GPU_OVERLAP[variant]
+  head_dim, cfg = _GPU_FORWARD_LAYOUTS[variant]
   with kernel_table(head_dim, {"fwd": cfg}):
     _poison_allocator(64 << 20)
     cases.check_case(case, "mosaic_gpu", seed=seed)

@@ -296,11 +296,11 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     # issues a step's two wgmmas, and hands the turn over right after, so the only blocking
     # point of a step is the turn itself.
     def my_turn():
-      if cfg.ping_pong:
+      if taking_turns:
         plgpu.barrier_wait(turns[0].at[wg])
 
     def your_turn():
-      if cfg.ping_pong:
+      if taking_turns:
         plgpu.barrier_arrive(turns[0].at[1 - wg])
 
     def release_in_turn(slot, carry):
@@ -580,5 +580,5 @@ def scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret:
       plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # v slot free
       plgpu.Barrier(num_arrivals=wgs),  # ping-pong meetings
       # overlap_qk's ping-pong: each warpgroup's turn at the tensor cores
-      (plgpu.Barrier(num_barriers=wgs),) if cfg.overlap_qk else (),
+      (plgpu.Barrier(num_barriers=wgs),) if cfg.overlap_qk and cfg.ping_pong else (),
   ]
