@@ -118,6 +118,14 @@ VARIANTS: dict[str, dict[str, dict]] = {
                                                grid_order=TILES_LAST)},
     "fwd_persistent_fold_ro": {"fwd": dict(persistent=True, fold_scale=True,
                                            read_only_store_wait=True)},
+    # h. Part of each score tile's exp2 on the FMA pipe (FlashAttention-4's trick; the SFU's
+    # 16 a clock bound head_dim 64's tiles), with the table's forward and with the overlap.
+    "fwd_exp2_fma16": {"fwd": dict(exp2_fma_cols=16)},
+    "fwd_exp2_fma24": {"fwd": dict(exp2_fma_cols=24)},
+    "fwd_exp2_fma32": {"fwd": dict(exp2_fma_cols=32)},
+    "fwd_exp2_fma48": {"fwd": dict(exp2_fma_cols=48)},
+    "fwd_exp2_fma24_overlap": {"fwd": dict(exp2_fma_cols=24, overlap_qk=True, ping_pong=False)},
+    "fwd_exp2_fma32_overlap": {"fwd": dict(exp2_fma_cols=32, overlap_qk=True, ping_pong=False)},
     # c. dQ tiles.
     "dq_kv128": {"dq": dict(block_kv=128)},
     "dq_kv128_1st": {"dq": dict(block_kv=128, stages=1)},

@@ -139,6 +139,12 @@ _VARIANTS = {
     # 128 query rows a warpgroup over 64-key blocks: warpgroup 0's causal range ends two blocks
     # before warpgroup 1's, so it releases two ring slots (of 2) after its last dQ wgmma.
     "dq_in_flight_q128": {"dq": _K(128, 64, dq_in_flight=True), "dkv": _K(64, 64)},
+    # Part of each score tile's exp2 on the FMA pipe: with the ping-pong (its masked columns
+    # are the polynomial's at a causal diagonal), with the overlap, and every column.
+    "exp2_fma": {"fwd": _K(64, 128, fold_scale=True, exp2_fma_cols=24)},
+    "exp2_fma_overlap_qk": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False,
+                                      fold_scale=True, exp2_fma_cols=32)},
+    "exp2_fma_whole_tile": {"fwd": _K(64, 64, stages=3, exp2_fma_cols=64)},
     # The persistent grid (fwd.INTERPRET_CTAS = 3 CTAs in the interpreter, each walking several
     # (batch, head, q tile) items): plain, and heaviest causal tiles first with the overlap.
     "persistent": {"fwd": _K(64, 128, persistent=True)},
@@ -197,6 +203,10 @@ _VARIANT_CASES = [
     ("dq_in_flight", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
     ("dq_in_flight_3stages", _CAUSAL_203),  # up to 4 key blocks a CTA, 3 slots
     ("dq_in_flight_q128", _GQA_CAUSAL_LENGTHS_330),
+    ("exp2_fma", _CAUSAL_203),
+    ("exp2_fma", cases.get_case("lengths_kv0_113x203")),  # rows with no key: l stays 0
+    ("exp2_fma_overlap_qk", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
+    ("exp2_fma_whole_tile", cases.get_case("window_l32_r8_203x113")),
     ("split_launches", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     ("persistent", _GQA_203),
     ("persistent", _GQA_CAUSAL_203),
@@ -300,6 +310,10 @@ _LOWERED_VARIANTS = [
     (64, {"fwd": _K(64, 128, stages=3, overlap_qk=True, fold_scale=True, reverse_q_tiles=True,
                     grid_order=("heads", "batch", "tiles"), persistent=True)}),
     (256, {"fwd": _K(64, 64, persistent=True)}),  # the output through the q tile
+    (64, {"fwd": _K(64, 128, fold_scale=True, exp2_fma_cols=24)}),
+    (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
+                     exp2_fma_cols=32)}),
+    (256, {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False, exp2_fma_cols=64)}),
     # FlashAttention-3's register split (240 / 24) in every kind of kernel (the fused dK/dV/dQ
     # one below, with co_issue_dp; a fused dK/dV config would leave the dQ kernel unbuilt).
     (128, {"fwd": _K(64, 128, compute_registers=240), "dq": _K(64, 64, compute_registers=240),
@@ -518,6 +532,7 @@ _GPU_VARIANTS = {
     "dq_in_flight": _VARIANTS["dq_in_flight"],
     "fused_dq_co_issue_dp": _VARIANTS["fused_dq_co_issue_dp"],
     "persistent": {"fwd": _K(64, 128, persistent=True)},
+    "exp2_fma_overlap_qk": _VARIANTS["exp2_fma_overlap_qk"],
     "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,
                                          grid_order=("heads", "batch", "tiles"),
                                          persistent=True)},
@@ -546,6 +561,10 @@ _GPU_FORWARD_LAYOUTS = {
     "d256_overlap_turns": (256, _K(64, 64, overlap_qk=True, fold_scale=True,
                                    compute_registers=240)),
     "d256_ping_pong": (256, _K(64, 64, fold_scale=True)),
+    # Part of the exp2 on the FMA pipe, where the SFU bounds the tiles (head_dim 64).
+    "d64_exp2_fma": (64, _K(64, 128, fold_scale=True, exp2_fma_cols=24)),
+    "d64_exp2_fma_overlap": (64, _K(64, 128, overlap_qk=True, fold_scale=True, ping_pong=False,
+                                    exp2_fma_cols=32)),
 }
 
 

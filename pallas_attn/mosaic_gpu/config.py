@@ -146,6 +146,11 @@ class KernelConfig:
   # the warpgroup waits for dQ's wgmma before it issues the next S. Needs stages >= 2. H200,
   # d128 fwd+bwd: 0.91-0.96x (benchmarks/NOTES.md session 10); off.
   dq_in_flight: bool = False
+  # Forward only: the last `exp2_fma_cols` columns of each [block_q, block_kv] score tile get
+  # their exp2 from a polynomial on the FMA pipe (`exp2.exp2_fma`) instead of the SFU, whose 16
+  # exponentials a clock bound the head_dim 64 forward (FlashAttention-4's trick). A multiple of
+  # 8 (whole registers of the WGMMA layout), at most block_kv; 0: every exp2 on the SFU.
+  exp2_fma_cols: int = 0
 
   @property
   def producer_registers(self) -> int:
@@ -175,6 +180,9 @@ class KernelConfig:
       # (A K slot is released at the next step's first wait, which needs the next block loaded:
       # with one slot that block waits for the release.)
       raise ValueError(f"dq_in_flight needs stages >= 2, got stages={self.stages}")
+    if self.exp2_fma_cols % 8 or not 0 <= self.exp2_fma_cols <= self.block_kv:
+      raise ValueError(f"exp2_fma_cols must be a multiple of 8 from 0 to block_kv "
+                       f"({self.block_kv}), got {self.exp2_fma_cols}")
     if self.dq_column_halves and not self.fused_dq:
       raise ValueError("dq_column_halves is a layout of the fused dQ: it needs fused_dq=True")
     if (self.compute_registers % 8 or self.compute_registers < LAUNCH_REGISTERS

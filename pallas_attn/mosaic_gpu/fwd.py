@@ -25,7 +25,8 @@ in the table at head_dim 128 and 256, without the ping-pong), `reverse_q_tiles` 
 index i owns the i-th query tile from the end: causal CTAs with the most keys start first) and
 `grid_order` (launch order), `fold_scale` (scale * log2(e) folded into exp2's fused multiply-add
 on unmodified, unmasked tiles), `read_only_store_wait` (the epilogue waits for its TMA stores
-to read shared memory only) and `persistent` (one CTA per SM walks a static share of the
+to read shared memory only), `exp2_fma_cols` (that many columns of each score tile take their
+exp2 from a polynomial on the FMA pipe, `exp2.exp2_tile`, relieving the SFU) and `persistent` (one CTA per SM walks a static share of the
 (batch, head, query tile) items: `_persistent`; every feature above works there, each item's
 walk being the one-item CTA's, with the ring's slots and the q loads carried across items).
 """
@@ -48,6 +49,7 @@ from pallas_attn import numerics
 from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import common
 from pallas_attn.mosaic_gpu import config as config_lib
+from pallas_attn.mosaic_gpu import exp2 as exp2_lib
 from pallas_attn.mosaic_gpu import mods as mods_lib
 
 
@@ -255,9 +257,10 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
         m_new = jnp.maximum(m_i, s.max(axis=1) * c)
       alpha = jnp.exp2(m_i - m_new)
       if c == 1.0:
-        p = jnp.exp2(s - common.broadcast_rows(m_new, s.shape))
+        p = s - common.broadcast_rows(m_new, s.shape)
       else:
-        p = jnp.exp2(s * c - common.broadcast_rows(m_new, s.shape))
+        p = s * c - common.broadcast_rows(m_new, s.shape)
+      p = exp2_lib.exp2_tile(p, cfg.exp2_fma_cols)
       l_i = l_i * alpha + p.sum(axis=1)  # the undropped row sum: lse ignores dropout
       return p, m_new, l_i, alpha
 
