@@ -147,9 +147,10 @@ class KernelConfig:
   # d128 fwd+bwd: 0.91-0.96x (benchmarks/NOTES.md session 10); off.
   dq_in_flight: bool = False
   # Forward only: the last `exp2_fma_cols` columns of each [block_q, block_kv] score tile get
-  # their exp2 from a polynomial on the FMA pipe (`exp2.exp2_fma`) instead of the SFU, whose 16
-  # exponentials a clock bound the head_dim 64 forward (FlashAttention-4's trick). A multiple of
-  # 8 (whole registers of the WGMMA layout), at most block_kv; 0: every exp2 on the SFU.
+  # their exp2 from a polynomial on the FMA pipe (`exp2.exp2_fma`) instead of the SFU
+  # (FlashAttention-4's trick), meant to relieve the SFU's 16 exponentials a clock at head_dim
+  # 64. A multiple of 8 (whole registers of the WGMMA layout), at most block_kv; 0: every exp2 on
+  # the SFU. H200 (session 11): 0.88-0.99x at d64 and d128, slower with every column moved; off.
   exp2_fma_cols: int = 0
 
   @property

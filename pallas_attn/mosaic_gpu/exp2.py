@@ -2,15 +2,18 @@
 
 An H100/H200 SM evaluates 16 `ex2.approx` a clock (the SFU, MUFU.EX2) but issues 128 float32
 adds and fused multiply-adds. A [64, 128] tile of one warpgroup needs 8192 exponentials: 512
-clocks of SFU, as long as the tile's two matmuls take at head_dim 64, so the forward there is
-bound by exp2. `exp2_tile` sends the last `fma_cols` columns of the tile through a polynomial
-on the FMA pipe instead (Cody-Waite range reduction, then a degree-3 minimax polynomial), so
-both pipes share the work.
+clocks of SFU, as long as the tile's two matmuls take at head_dim 64. `exp2_tile` sends the last
+`fma_cols` columns of the tile through a polynomial on the FMA pipe instead (Cody-Waite range
+reduction, then a degree-3 minimax polynomial), so both pipes share the work. Measured on the
+H200 (benchmarks/NOTES.md session 11) it is slower at every split (0.88-0.99x): the tiles are
+bound by instruction issue, not by the SFU. Kept as `KernelConfig.exp2_fma_cols`, off in the
+table.
 
-Accuracy: relative error below 7.6e-5 for every x in [-125, 0] (the SFU's own is ~2e-7;
-below 2^-125 a result may flush to 0, as the SFU's `.ftz` does); the probabilities are rounded to bf16 (2^-8) or f16 (2^-11) before P V, so the
-difference is far below what the output keeps. 2^x is exactly 0 for x <= -127 and for -inf
-(hidden scores), as the SFU gives, so a row that sees no key still sums to exactly 0.
+Accuracy: relative error below 7.6e-5 for every x in [-125, 0] (the SFU's own is ~2e-7; below
+2^-125 a result may flush to 0, as the SFU's `.ftz` does); the probabilities are rounded to bf16
+(2^-8) or f16 (2^-11) before P V, so the difference is far below what the output keeps. 2^x is
+exactly 0 for x <= -127 and for -inf (hidden scores), as the SFU gives, so a row that sees no
+key still sums to exactly 0.
 """
 
 from __future__ import annotations
