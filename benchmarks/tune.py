@@ -118,8 +118,9 @@ VARIANTS: dict[str, dict[str, dict]] = {
                                                grid_order=TILES_LAST)},
     "fwd_persistent_fold_ro": {"fwd": dict(persistent=True, fold_scale=True,
                                            read_only_store_wait=True)},
-    # h. Part of each score tile's exp2 on the FMA pipe (FlashAttention-4's trick; the SFU's
-    # 16 a clock bound head_dim 64's tiles), with the table's forward and with the overlap.
+    # h. Part of each score tile's exp2 on the FMA pipe (FlashAttention-4's trick, against the
+    # SFU's 16 a clock), with the table's forward and with the overlap (H200, session 11:
+    # 0.85-0.99x at d64 and d128, slower with every column moved; off).
     "fwd_exp2_fma16": {"fwd": dict(exp2_fma_cols=16)},
     "fwd_exp2_fma24": {"fwd": dict(exp2_fma_cols=24)},
     "fwd_exp2_fma32": {"fwd": dict(exp2_fma_cols=32)},

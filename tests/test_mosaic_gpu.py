@@ -561,7 +561,7 @@ _GPU_FORWARD_LAYOUTS = {
     "d256_overlap_turns": (256, _K(64, 64, overlap_qk=True, fold_scale=True,
                                    compute_registers=240)),
     "d256_ping_pong": (256, _K(64, 64, fold_scale=True)),
-    # Part of the exp2 on the FMA pipe, where the SFU bounds the tiles (head_dim 64).
+    # Part of the exp2 on the FMA pipe at head_dim 64, whose tiles it was meant to relieve.
     "d64_exp2_fma": (64, _K(64, 128, fold_scale=True, exp2_fma_cols=24)),
     "d64_exp2_fma_overlap": (64, _K(64, 128, overlap_qk=True, fold_scale=True, ping_pong=False,
                                     exp2_fma_cols=32)),

@@ -26,9 +26,10 @@ index i owns the i-th query tile from the end: causal CTAs with the most keys st
 `grid_order` (launch order), `fold_scale` (scale * log2(e) folded into exp2's fused multiply-add
 on unmodified, unmasked tiles), `read_only_store_wait` (the epilogue waits for its TMA stores
 to read shared memory only), `exp2_fma_cols` (that many columns of each score tile take their
-exp2 from a polynomial on the FMA pipe, `exp2.exp2_tile`, relieving the SFU) and `persistent` (one CTA per SM walks a static share of the
-(batch, head, query tile) items: `_persistent`; every feature above works there, each item's
-walk being the one-item CTA's, with the ring's slots and the q loads carried across items).
+exp2 from a polynomial on the FMA pipe, `exp2.exp2_tile`; off: slower on the H200) and
+`persistent` (one CTA per SM walks a static share of the (batch, head, query tile) items:
+`_persistent`; every feature above works there, each item's walk being the one-item CTA's, with
+the ring's slots and the q loads carried across items).
 """
 
 from __future__ import annotations
