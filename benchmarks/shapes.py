@@ -164,6 +164,10 @@ PRESETS = {
     "tune_d128": lambda: fa_sweep(seqs=(4096,), head_dims=(128,), causal=(True,)),
     # head_dim 64 at N = 4096, causal and not (its backward fuses dQ into the dK/dV kernel).
     "tune_d64": lambda: fa_sweep(seqs=(4096,), head_dims=(64,)),
+    # Short sequences (FWD_GAP_ANALYSIS.md #2: the per-CTA fixed cost of a 4- or 8-block tile),
+    # head_dim 128 at N = 512 / 1024 and head_dim 64 at N = 1024, causal and not.
+    "tune_short": lambda: (fa_sweep(seqs=(512, 1024), head_dims=(128,))
+                           + fa_sweep(seqs=(1024,), head_dims=(64,))),
     # benchmarks/tune.py's CPU smoke test: one causal shape, one head.
     "tune_smoke": lambda: [Shape(1, 96, 96, 1, 1, 64, True, "cpu")],
     "none": lambda: [],

@@ -118,6 +118,13 @@ VARIANTS: dict[str, dict[str, dict]] = {
                                                grid_order=TILES_LAST)},
     "fwd_persistent_fold_ro": {"fwd": dict(persistent=True, fold_scale=True,
                                            read_only_store_wait=True)},
+    # Units of two query tiles (T - 1 - t, t) of one head: every causal unit weighs the same.
+    "fwd_persistent_pairs": {"fwd": dict(persistent=True, pair_q_tiles=True)},
+    "fwd_persistent_pairs_ro": {"fwd": dict(persistent=True, pair_q_tiles=True,
+                                            read_only_store_wait=True)},
+    # The one-tile-a-CTA grid where the table runs short rows persistent (session 12).
+    "fwd_not_persistent": {"fwd": dict(persistent=False, persistent_max_blocks=0,
+                                       persistent_max_blocks_skewed=0)},
     # h. Part of each score tile's exp2 on the FMA pipe (FlashAttention-4's trick, against the
     # SFU's 16 a clock), with the table's forward and with the overlap (H200, session 11:
     # 0.85-0.99x at d64 and d128, slower with every column moved; off).

@@ -151,6 +151,13 @@ _VARIANTS = {
     "persistent_heavy_first_overlap_qk": {
         "fwd": _K(64, 64, stages=3, overlap_qk=True, fold_scale=True, reverse_q_tiles=True,
                   grid_order=("heads", "batch", "tiles"), persistent=True)},
+    # Units of two query tiles (T - 1 - t, then t), as the table runs short rows: persistent
+    # where the tiles visit at most 4 key blocks of 128 (2 where they are skewed: the causal
+    # 460 x 460 case's tiles visit 1 to 4, 2.5 on average), the overlap without turns.
+    "persistent_pairs": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
+                                   persistent_max_blocks=4, persistent_max_blocks_skewed=3,
+                                   pair_q_tiles=True)},
+    "persistent_pairs_ping_pong": {"fwd": _K(64, 64, persistent=True, pair_q_tiles=True)},
 }
 # Two query tiles of 128 rows and several key blocks at every block_kv, odd lengths.
 _CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_203x203")
@@ -212,6 +219,14 @@ _VARIANT_CASES = [
     ("persistent", _GQA_CAUSAL_203),
     ("persistent", cases.get_case("lengths_kv0_113x203")),  # items with no key at all
     ("persistent_heavy_first_overlap_qk", _GQA_CAUSAL_LENGTHS_330),
+    # 4 query tiles a head (2 pairs), 16 units on 3 CTAs; causal with lengths; 3 tiles (odd:
+    # single tiles); and past persistent_max_blocks (the one-tile grid).
+    ("persistent_pairs", _GQA_CAUSAL_203.replace(q_len=460, kv_len=460, name="gqa_causal_460")),
+    ("persistent_pairs_ping_pong", _GQA_CAUSAL_LENGTHS_330.replace(q_len=460, kv_len=460,
+                                                                   q_lengths=[460, 201])),
+    ("persistent_pairs", _GQA_CAUSAL_LENGTHS_330),
+    ("persistent_pairs", cases.get_case("mha_17x17").replace(q_len=113, kv_len=600,
+                                                             name="mha_113x600")),
 ]
 
 
@@ -310,6 +325,8 @@ _LOWERED_VARIANTS = [
     (64, {"fwd": _K(64, 128, stages=3, overlap_qk=True, fold_scale=True, reverse_q_tiles=True,
                     grid_order=("heads", "batch", "tiles"), persistent=True)}),
     (256, {"fwd": _K(64, 64, persistent=True)}),  # the output through the q tile
+    (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
+                     persistent_max_blocks=1 << 20, pair_q_tiles=True)}),
     (64, {"fwd": _K(64, 128, fold_scale=True, exp2_fma_cols=24)}),
     (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
                      exp2_fma_cols=32)}),
@@ -369,6 +386,72 @@ def test_variant_kernels_lower_for_cuda(head_dim, configs):
   fused_dq = configs.get("dkv", config_lib.kernel_config(head_dim, "dkv")).fused_dq
   # forward, dQ, dK/dV; or forward and dK/dV making dQ
   assert lowered.as_text().count("mosaic_gpu_v2") >= (2 if fused_dq else 3)
+
+
+@pytest.mark.parametrize("paired", [False, True])
+@pytest.mark.parametrize("num_q_tiles,units_other,num_ctas", [(8, 32, 132), (4, 6, 5), (2, 3, 7)])
+def test_persistent_schedule_covers_every_item_once(paired, num_q_tiles, units_other, num_ctas):
+  """Every (batch x head, q tile) item goes to exactly one CTA step; with pairs each unit is
+  tiles T - 1 - t and t, so under a causal mask every CTA's load is whole units of T + 1 tiles,
+  and the CTAs' loads differ by one unit at most."""
+  from pallas_attn.mosaic_gpu import fwd
+  tiles = num_q_tiles // 2 if paired else num_q_tiles
+  sizes = (("heads", units_other), ("q_tiles", tiles))
+  total = units_other * tiles
+  schedule = fwd._Schedule(sizes, min(num_ctas, total), num_q_tiles if paired else 0)
+  seen, loads = [], []
+  for cta in range(schedule.num_ctas):
+    steps = int(schedule.count(cta))
+    items = [schedule.item(cta, step) for step in range(steps)]
+    seen += [(int(c["heads"]), int(c["q_tiles"])) for c in items]
+    loads.append(sum(int(c["q_tiles"]) + 1 for c in items))  # causal: key blocks of a tile
+  assert sorted(seen) == [(h, t) for h in range(units_other) for t in range(num_q_tiles)]
+  if paired:
+    assert all(load % (num_q_tiles + 1) == 0 for load in loads), loads
+    assert max(loads) - min(loads) <= num_q_tiles + 1, loads
+
+
+def _all_eqns(jaxpr):
+  """The equations of `jaxpr` and of every jaxpr nested in their parameters."""
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)  # (a ClosedJaxpr's, or a custom call's function)
+        if hasattr(inner, "eqns"):
+          yield from _all_eqns(inner)
+
+
+def test_persistent_max_blocks_picks_the_grid():
+  """persistent_max_blocks(_skewed) turn the persistent grid on where the query tiles visit
+  that many key blocks on average (skewed: the largest over 1.25x the mean), and the forward's
+  launch then has one CTA per (interpreter) SM; past it, one CTA per query tile."""
+  from pallas_attn.mosaic_gpu import fwd
+  cfg = _K(64, 128, persistent_max_blocks=4, persistent_max_blocks_skewed=2, pair_q_tiles=True)
+  assert cfg.runs_persistent([4, 4, 4]) and not cfg.runs_persistent([5, 5])
+  assert cfg.runs_persistent([1, 2, 3]) and not cfg.runs_persistent([1, 2, 3, 4])  # skewed
+  assert _K(64, 128, persistent=True).runs_persistent([1000])
+  assert not _K(64, 128, pair_q_tiles=True).runs_persistent([1])
+  with pytest.raises(ValueError, match="persistent_max_blocks"):
+    _K(64, 128, persistent_max_blocks=-1)
+  causal, full = pallas_attn.MaskSpec(is_causal=True), pallas_attn.MaskSpec()
+  assert fwd._tile_blocks(causal, 4, cfg, 512) == [1, 2, 3, 4]
+  assert fwd._tile_blocks(full, 2, cfg, 640) == [5, 5]
+  window = pallas_attn.MaskSpec(local_window=(100, 0))
+  assert fwd._tile_blocks(window, 4, cfg, 512) == [1, 2, 2, 2]
+
+  def grid(spec, seq):
+    q = jnp.zeros((2, seq, 4, 64), jnp.bfloat16)
+    jaxpr = jax.make_jaxpr(lambda q: ops.forward(q, q, q, None, None, scale=0.125, spec=spec,
+                                                 interpret=True, fwd_cfg=cfg))(q)
+    (call,) = [e for e in _all_eqns(jaxpr.jaxpr) if e.primitive.name == "mpmd_map"]
+    (mesh,) = call.params["meshes"]
+    return mesh.grid
+
+  assert grid(full, 512) == (fwd.INTERPRET_CTAS,)
+  assert grid(full, 640) == (4, 5, 2)  # (heads, q tiles, batch)
+  assert grid(causal, 384) == (fwd.INTERPRET_CTAS,)  # 1, 2, 3 blocks: 2 on average
+  assert grid(causal, 512) == (4, 4, 2)  # 2.5 on average
 
 
 def test_persistent_output_tile_where_it_fits():
@@ -536,6 +619,7 @@ _GPU_VARIANTS = {
     "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,
                                          grid_order=("heads", "batch", "tiles"),
                                          persistent=True)},
+    "persistent_pairs": _VARIANTS["persistent_pairs"],
 }
 
 
@@ -597,6 +681,18 @@ _PERSISTENT_GPU = {
                                          [1000, 555, 0], _K(64, 128, persistent=True)),
     "b2_s2000_h8_d256_causal": (2, 2000, 8, 8, 256, True, None, None,
                                 _K(64, 64, persistent=True)),
+    # Tile pairs (T - 1 - t, t) as units, with the overlap as the table runs them.
+    "b16_s1024_h16_d128_causal_pairs": (
+        16, 1024, 16, 16, 128, True, None, None,
+        _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
+           pair_q_tiles=True)),
+    "b4_s4096_h32_d64_causal_pairs": (
+        4, 4096, 32, 32, 64, True, None, None,
+        _K(64, 128, fold_scale=True, persistent=True, pair_q_tiles=True)),
+    "b3_s1000_gqa4_d256_causal_lengths_pairs": (
+        3, 1000, 8, 2, 256, True, [1000, 617, 5], [1000, 555, 0],
+        _K(64, 64, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
+           pair_q_tiles=True)),
 }
 
 

@@ -108,6 +108,22 @@ class KernelConfig:
   # the q tile and the next q waits for the store to read it). A field of this frozen dataclass
   # like the others, so it keys jax's caches and the tuner can vary it.
   persistent: bool = False
+  # Forward: the persistent grid where the query tiles visit few key blocks (whatever
+  # `persistent` says): at most `persistent_max_blocks` on average where the tiles visit about
+  # as many (the largest within 25% of the mean: no mask, a window), at most
+  # `persistent_max_blocks_skewed` where they do not (causal). A tile of few blocks cannot
+  # hide what a CTA launch costs (the q and first K/V loads, the pipeline's ramp, the epilogue's
+  # stores) behind its own work, and the one CTA an SM holds idles the tensor cores through it;
+  # a persistent CTA overlaps it with its previous item. Skewed tiles gain at longer rows too:
+  # the one-tile grid leaves its heaviest causal tiles to the last wave, where `pair_q_tiles`
+  # balances the CTAs' loads (H200: benchmarks/NOTES.md session 12). 0: off.
+  persistent_max_blocks: int = 0
+  persistent_max_blocks_skewed: int = 0
+  # Forward, persistent: a work unit is the query tiles T - 1 - t and t of one (batch, head)
+  # (`fwd._Schedule`), so under a causal mask all units weigh the same (T + 1 tiles' worth of
+  # key blocks) and the static schedule stays balanced. Where T is odd, single tiles; without a
+  # persistent grid, nothing.
+  pair_q_tiles: bool = False
   # dQ and dK/dV, head_dim 256 (and 128): both compute warpgroups share one tile of block_q
   # query rows (dQ) or block_kv key rows (dK/dV); warpgroup 0 makes S, P and dS, warpgroup 1 dP,
   # the tiles meeting in shared memory, and each accumulates one half of the accumulators'
@@ -153,6 +169,17 @@ class KernelConfig:
   # the SFU. H200 (session 11): 0.88-0.99x at d64 and d128, slower with every column moved; off.
   exp2_fma_cols: int = 0
 
+  def runs_persistent(self, tile_blocks) -> bool:
+    """Whether the forward takes the persistent grid, its query tiles visiting `tile_blocks`
+    key blocks each (a sequence of ints)."""
+    if self.persistent:
+      return True
+    if not len(tile_blocks):
+      return False
+    mean = sum(tile_blocks) / len(tile_blocks)
+    skewed = max(tile_blocks) > 1.25 * mean
+    return mean <= (self.persistent_max_blocks_skewed if skewed else self.persistent_max_blocks)
+
   @property
   def producer_registers(self) -> int:
     return 3 * LAUNCH_REGISTERS - COMPUTE_WARPGROUPS * self.compute_registers
@@ -191,6 +218,10 @@ class KernelConfig:
       raise ValueError(f"compute_registers must be a multiple of 8 from {LAUNCH_REGISTERS} to "
                        f"{(3 * LAUNCH_REGISTERS - 24) // COMPUTE_WARPGROUPS} (the producer keeps "
                        f"at least 24), got {self.compute_registers}")
+    if min(self.persistent_max_blocks, self.persistent_max_blocks_skewed) < 0:
+      raise ValueError(f"persistent_max_blocks ({self.persistent_max_blocks}) and "
+                       f"persistent_max_blocks_skewed ({self.persistent_max_blocks_skewed}) "
+                       f"must be >= 0")
     if sorted(self.grid_order) != sorted(GRID_AXES):
       raise ValueError(f"grid_order must be a permutation of {GRID_AXES}, got "
                        f"{self.grid_order}")
@@ -219,12 +250,22 @@ NUM_SMS = 132
 # H200, one tuner run each: d128 1.06-1.10x the ping-pong forward at N 4096 / 16384, causal and
 # not (653 TFLOP/s at N 16384), twice; with the turns 1.03-1.07x; d256 1.14-1.19x. At head_dim 64,
 # whose tiles are softmax-bound, it is 0.87-0.93x: not used there (benchmarks/NOTES.md session 10).
+# Forward, all head dims: the persistent grid with tile pairs where the query tiles visit few key
+# blocks (H200, one tuner run over the FlashAttention sweep, N 512-16384; ratios to the one-tile
+# grid): head_dim 64 1.36-1.04x up to 32 blocks of 128 keys (N 4096), 0.98-0.99 beyond; head_dim
+# 128 1.22-1.04x up to 16 (N 2048), 0.94-0.99 beyond; head_dim 256 0.87-0.97 at every length (its
+# output goes through the q tile, so each next q waits for the store): never. Causal (skewed)
+# tiles: 1.38-1.03x up to 32.5 blocks on average at every head dim, 1.01 at 64.5: up to 48
+# (benchmarks/NOTES.md session 12).
+_SHORT_ROWS_PERSISTENT = dict(persistent_max_blocks_skewed=48, pair_q_tiles=True)
 DEFAULTS: dict[tuple[int, str], KernelConfig] = {
-    (64, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True),
+    (64, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True,
+                              persistent_max_blocks=32, **_SHORT_ROWS_PERSISTENT),
     (128, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True, overlap_qk=True,
-                               ping_pong=False),
+                               ping_pong=False, persistent_max_blocks=16,
+                               **_SHORT_ROWS_PERSISTENT),
     (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True, overlap_qk=True,
-                               ping_pong=False),
+                               ping_pong=False, **_SHORT_ROWS_PERSISTENT),
     (64, "dq"): KernelConfig(block_q=64, block_kv=64),
     # head_dim 128: dP's wgmma issued behind S's (P made under it), and in dK/dV dV's and dK's
     # wgmmas issued together (H200, fwd+bwd 1.10-1.12x non-causal, 1.02-1.03x causal at N 4096 /

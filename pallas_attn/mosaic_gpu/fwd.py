@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -94,26 +95,40 @@ class _Work(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class _Schedule:
-  """The persistent grid's static schedule: `num_ctas` CTAs, CTA c takes work items c,
-  c + num_ctas, ... of the (batch, head, query tile) items numbered in `order` (fastest axis
-  first, `KernelConfig.grid_order`'s names)."""
-  sizes: tuple[tuple[str, int], ...]  # (axis, size) in `order`
+  """The persistent grid's static schedule: `num_ctas` CTAs, CTA c takes work units c,
+  c + num_ctas, ... of the (batch, head, query tile) units numbered in `order` (fastest axis
+  first, `KernelConfig.grid_order`'s names). A unit is one item, or with `paired_tiles` = T
+  (`KernelConfig.pair_q_tiles`) the two query tiles T - 1 - t and t of one (batch, head),
+  walked in that order: under a causal mask every such unit sees T + 1 key blocks of 2 * block_q
+  rows' worth, so a static schedule of them is as balanced as a non-causal one (strided single
+  tiles are not: 132 CTAs over 8 tiles a head give some CTAs mostly the heaviest tiles)."""
+  sizes: tuple[tuple[str, int], ...]  # (axis, size) of the units in `order`
   num_ctas: int
+  paired_tiles: int = 0  # T when units are tile pairs (the q_tiles axis then counts T / 2)
 
   @property
   def total(self) -> int:
+    """Work units (items, or tile pairs)."""
     return math.prod(size for _, size in self.sizes)
 
+  @property
+  def items_per_unit(self) -> int:
+    return 2 if self.paired_tiles else 1
+
   def count(self, cta):
-    """Items of CTA `cta` (at least 1: there are at most as many CTAs as items)."""
-    return lax.div(self.total - 1 - cta, self.num_ctas) + 1
+    """Items of CTA `cta` (at least 1: there are at most as many CTAs as units)."""
+    return (lax.div(self.total - 1 - cta, self.num_ctas) + 1) * self.items_per_unit
 
   def item(self, cta, step) -> dict:
     """{axis: index} of CTA `cta`'s item number `step`."""
-    index, coords = step * self.num_ctas + cta, {}
+    unit_step = lax.div(step, 2) if self.paired_tiles else step
+    index, coords = unit_step * self.num_ctas + cta, {}
     for axis, size in self.sizes:
       coords[axis] = lax.rem(index, size)
       index = lax.div(index, size)
+    if self.paired_tiles:  # the heavier tile of the pair first
+      pair = coords["q_tiles"]
+      coords["q_tiles"] = jnp.where(lax.rem(step, 2) == 0, self.paired_tiles - 1 - pair, pair)
     return coords
 
 
@@ -533,10 +548,16 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
   num_q_tiles = q_len // (config_lib.COMPUTE_WARPGROUPS * cfg.block_q)
   grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
   work_schedule = None
-  if cfg.persistent:  # one CTA per SM walks the items of that grid (see `_Schedule`)
-    items = tuple(zip(grid_names, grid))
+  if cfg.runs_persistent(_tile_blocks(spec, num_q_tiles, cfg, kv_len)):
+    # One CTA per SM walks the items of that grid (`_Schedule`).
+    cfg = dataclasses.replace(cfg, persistent=True)
+    paired = cfg.pair_q_tiles and num_q_tiles % 2 == 0  # (an odd count: single tiles)
+    units = tuple((name, size // 2 if paired and name == "q_tiles" else size)
+                  for name, size in zip(grid_names, grid))
     num_ctas = INTERPRET_CTAS if interpret else num_sms()
-    work_schedule = _Schedule(items, min(num_ctas, math.prod(grid)))
+    work_schedule = _Schedule(units, 0, num_q_tiles if paired else 0)
+    work_schedule = dataclasses.replace(work_schedule,
+                                        num_ctas=min(num_ctas, work_schedule.total))
     grid, grid_names = (work_schedule.num_ctas,), (_SM_AXIS,)
   kernel = functools.partial(_kernel, spec=spec, scale=scale, cfg=cfg, num_q_tiles=num_q_tiles,
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
@@ -548,6 +569,16 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
                 jax.ShapeDtypeStruct((batch, heads_q, q_len), jnp.float32)),
       grid=grid, grid_names=grid_names, what=f"the forward kernel with {cfg}", reduces=True,
       interpret=interpret)(q, k, v, q_lengths, kv_lengths, mod_arrays, table)
+
+
+def _tile_blocks(spec: mask_lib.MaskSpec, num_q_tiles: int, cfg: config_lib.KernelConfig,
+                 kv_len: int) -> list[int]:
+  """Key blocks each query tile visits at full lengths (the positional mask alone)."""
+  rows = config_lib.COMPUTE_WARPGROUPS * cfg.block_q
+  with jax.ensure_compile_time_eval():  # (called while the kernel's caller is traced)
+    lo, hi = mask_lib.kv_block_range(spec, np.arange(num_q_tiles) * rows, rows, cfg.block_kv,
+                                     kv_len // cfg.block_kv)
+  return [int(n) for n in np.broadcast_to(np.asarray(hi) - np.asarray(lo), (num_q_tiles,))]
 
 
 def _separate_output(cfg: config_lib.KernelConfig, head_dim: int, dtype) -> bool:
