@@ -145,6 +145,7 @@ PRESETS = {
     "fa_quick": lambda: fa_sweep(seqs=(1024, 4096, 16384)),
     "fa_d256": lambda: fa_sweep(head_dims=(256,)),
     "fa_d128": lambda: fa_sweep(head_dims=(128,)),
+    "fa_d64": lambda: fa_sweep(head_dims=(64,)),
     # The four shapes issue #3's closing table quotes (head_dim 128, N = 4096 / 16384).
     "d128_anchors": lambda: fa_sweep(seqs=(4096, 16384), head_dims=(128,)),
     "long": long_context,

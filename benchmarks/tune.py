@@ -60,9 +60,13 @@ KERNELS = config_lib.PASSES  # ("fwd", "dq", "dkv"): the three kernels a variant
 TILES_FIRST = ("tiles", "heads", "batch")
 TILES_LAST = ("heads", "batch", "tiles")
 
+# Two compute warpgroups in the forward (the table's head_dim 64 forward has three, which take no
+# ping-pong and at most 160 registers): what the ping-pong and 240-register variants run with.
+_TWO_WGS = dict(compute_warpgroups=2, compute_registers=232)
 # The forward without the overlap, with the ping-pong (what one-slot rings need: the overlap
 # frees V a step late).
-_PLAIN_FWD = dict(overlap_qk=False, ping_pong=True)
+_PLAIN_FWD = dict(overlap_qk=False, ping_pong=True, **_TWO_WGS)
+_THREE_WGS = dict(compute_warpgroups=3, ping_pong=False, compute_registers=160)
 
 # name -> {kernel: field changes to the table's config at the shape's head_dim}. "default" first.
 # Ordered as issue #4 lists them (causal balance, forward tiles, forward overlap, dQ, dK/dV).
@@ -92,17 +96,18 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # e. FA3's intra-warpgroup overlap (tile j's softmax under tile j - 1's P V; session 10:
     # in place, K and V refilled on their own releases), with the ping-pong turns (one a step).
     # The table has it on at head_dim 128 and 256 without the turns (`fwd_overlap_no_pp`).
-    "fwd_overlap_turns": {"fwd": dict(overlap_qk=True, ping_pong=True)},
+    "fwd_overlap_turns": {"fwd": dict(overlap_qk=True, ping_pong=True, **_TWO_WGS)},
     "fwd_overlap_turns_regs240": {"fwd": dict(overlap_qk=True, ping_pong=True,
-                                              compute_registers=240)},
-    "fwd_overlap_3st": {"fwd": dict(overlap_qk=True, ping_pong=True, stages=3)},
+                                              **dict(_TWO_WGS, compute_registers=240))},
+    "fwd_overlap_3st": {"fwd": dict(overlap_qk=True, ping_pong=True, stages=3, **_TWO_WGS)},
     # The table's forward at head_dim 128 and 256 before session 10: the ping-pong alone.
     "fwd_ping_pong": {"fwd": _PLAIN_FWD},
     "fwd_overlap_no_pp_3st": {"fwd": dict(overlap_qk=True, ping_pong=False, stages=3)},
     "fwd_overlap_no_pp_regs240": {"fwd": dict(overlap_qk=True, ping_pong=False,
-                                              compute_registers=240)},
+                                              **dict(_TWO_WGS, compute_registers=240))},
     "fwd_overlap_no_pp_kv192_regs240": {"fwd": dict(overlap_qk=True, ping_pong=False,
-                                                    block_kv=192, compute_registers=240)},
+                                                    block_kv=192,
+                                                    **dict(_TWO_WGS, compute_registers=240))},
     "fwd_overlap_kv64_3st": {"fwd": dict(overlap_qk=True, block_kv=64, stages=3)},
     "fwd_overlap_no_pp": {"fwd": dict(overlap_qk=True, ping_pong=False)},
     "fwd_overlap_kv64_no_pp": {"fwd": dict(overlap_qk=True, block_kv=64, ping_pong=False)},
@@ -134,6 +139,15 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_exp2_fma48": {"fwd": dict(exp2_fma_cols=48)},
     "fwd_exp2_fma24_overlap": {"fwd": dict(exp2_fma_cols=24, overlap_qk=True, ping_pong=False)},
     "fwd_exp2_fma32_overlap": {"fwd": dict(exp2_fma_cols=32, overlap_qk=True, ping_pong=False)},
+    # i. Three compute warpgroups over one K/V ring (FlashAttention-3's head_dim 64 forward:
+    # 192-row CTAs, 160 registers a compute thread, no ping-pong).
+    "fwd_3wg": {"fwd": dict(_THREE_WGS)},
+    "fwd_3wg_overlap": {"fwd": dict(_THREE_WGS, overlap_qk=True)},
+    "fwd_3wg_kv64": {"fwd": dict(_THREE_WGS, block_kv=64)},
+    "fwd_3wg_3st": {"fwd": dict(_THREE_WGS, stages=3)},
+    "fwd_3wg_overlap_3st": {"fwd": dict(_THREE_WGS, overlap_qk=True, stages=3)},
+    "fwd_3wg_3st_one_tile_grid": {"fwd": dict(_THREE_WGS, stages=3, persistent_max_blocks=0,
+                                              persistent_max_blocks_skewed=0)},
     # c. dQ tiles.
     "dq_kv128": {"dq": dict(block_kv=128)},
     "dq_kv128_1st": {"dq": dict(block_kv=128, stages=1)},
@@ -168,7 +182,7 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_dq_halves_1st": {"dkv": dict(fused_dq=True, dq_column_halves=True, stages=1)},
     # i. FlashAttention-3's register split: 240 per compute thread, 24 for the producer (the
     # table: 232 / 40), for the kernels that spill (the fused dQ at 128, the head split at 256).
-    "regs240": {k: dict(compute_registers=240) for k in KERNELS},
+    "regs240": {k: dict(_TWO_WGS, compute_registers=240) for k in KERNELS},
     "dkv_fused_dq_regs240": {"dkv": dict(fused_dq=True, compute_registers=240)},
     "dkv_dq_halves_regs240": {"dkv": dict(fused_dq=True, dq_column_halves=True,
                                           compute_registers=240)},

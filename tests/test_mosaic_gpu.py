@@ -95,6 +95,8 @@ def test_explicit_mosaic_gpu_without_hopper_says_so():
 
 _K = config_lib.KernelConfig
 # name -> {pass: config}; the table's entry for the other passes.
+_THREE_WGS = _K(64, 128, compute_warpgroups=3, ping_pong=False, compute_registers=160,
+               fold_scale=True)
 _VARIANTS = {
     "kv192_reversed_tiles_first": {
         "fwd": _K(64, 192, reverse_q_tiles=True, grid_order=("tiles", "heads", "batch")),
@@ -158,6 +160,12 @@ _VARIANTS = {
                                    persistent_max_blocks=4, persistent_max_blocks_skewed=3,
                                    pair_q_tiles=True)},
     "persistent_pairs_ping_pong": {"fwd": _K(64, 64, persistent=True, pair_q_tiles=True)},
+    # Three compute warpgroups (192-row CTAs; FlashAttention-3's head_dim 64 forward): a CTA's
+    # last tile partly past the rows, with the overlap, and persistent with tile pairs.
+    "three_warpgroups": {"fwd": _THREE_WGS},
+    "three_warpgroups_overlap_qk": {"fwd": dataclasses.replace(_THREE_WGS, overlap_qk=True)},
+    "three_warpgroups_persistent_pairs": {"fwd": dataclasses.replace(
+        _THREE_WGS, persistent_max_blocks=4, persistent_max_blocks_skewed=4, pair_q_tiles=True)},
 }
 # Two query tiles of 128 rows and several key blocks at every block_kv, odd lengths.
 _CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_203x203")
@@ -227,6 +235,13 @@ _VARIANT_CASES = [
     ("persistent_pairs", _GQA_CAUSAL_LENGTHS_330),
     ("persistent_pairs", cases.get_case("mha_17x17").replace(q_len=113, kv_len=600,
                                                              name="mha_113x600")),
+    ("three_warpgroups", _CAUSAL_203),  # 256 rows: the second CTA's last two tiles are past
+    ("three_warpgroups", cases.get_case("gqa_causal_lengths_113x203")),
+    ("three_warpgroups", cases.get_case("lengths_kv0_113x203")),
+    ("three_warpgroups_overlap_qk", _GQA_CAUSAL_LENGTHS_330),
+    ("three_warpgroups_persistent_pairs", _GQA_CAUSAL_203.replace(q_len=460, kv_len=460,
+                                                                  name="gqa_causal_460")),
+    ("three_warpgroups_persistent_pairs", cases.get_case("window_l32_r8_203x113")),
 ]
 
 
@@ -278,10 +293,38 @@ _PERSISTENT_FORWARDS = [
 ]
 
 
+@pytest.mark.parametrize("mods", [
+    pytest.param(dict(kv_lengths=[203, 120]), id="lengths"),
+    pytest.param(dict(q_segment_ids=True), id="segments"),  # a block table: two warpgroups walk it
+])
+def test_interpreted_three_warpgroups_equal_two(mods, seed):
+  """Three compute warpgroups compute each 64-row tile as two do: identical out and lse."""
+  _assert_forwards_identical(64, mods, seed, _THREE_WGS, _THREE_WGS.two_warpgroups())
+
+
+def test_three_warpgroups_config():
+  """Registers of four warpgroups (128 a thread at launch), no ping-pong, forward only."""
+  assert _THREE_WGS.rows_per_cta == 192 and _THREE_WGS.producer_registers == 32
+  assert _THREE_WGS.two_warpgroups().rows_per_cta == 128
+  with pytest.raises(ValueError, match="ping_pong"):
+    _K(64, 128, compute_warpgroups=3, compute_registers=160)
+  with pytest.raises(ValueError, match="compute_registers must be .* from 128 to 160"):
+    _K(64, 128, compute_warpgroups=3, ping_pong=False)
+  with pytest.raises(ValueError, match="dq_cfg: the backward kernels run 2"):
+    ops._static(64, 1.0, pallas_attn.MaskSpec(), True, dq_cfg=_THREE_WGS)
+
+
 @pytest.mark.parametrize("head_dim,cfg,mods", _PERSISTENT_FORWARDS)
 def test_interpreted_persistent_forward_equals_default(head_dim, cfg, mods, seed):
   """The persistent forward computes every tile as the one-tile CTA does: identical out and lse
   (batch 2 x 4 query heads x 2 q tiles on 3 CTAs, causal, GQA)."""
+  _assert_forwards_identical(head_dim, mods, seed, cfg, dataclasses.replace(cfg, persistent=False))
+
+
+def _assert_forwards_identical(head_dim, mods, seed, cfg, other_cfg):
+  """The interpreted forwards of `cfg` and `other_cfg` give bit-identical out and lse, without
+  races (batch 2, 203 rows and keys, 4 query heads over 2, causal; `mods`: dropout_rate,
+  logits_soft_cap, q_segment_ids=True (two documents a row), kv_lengths (a list))."""
   from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
   keys = jax.random.split(jax.random.key(seed), 3)
   q = jax.random.normal(keys[0], (2, 203, 4, head_dim), jnp.bfloat16)
@@ -297,9 +340,7 @@ def test_interpreted_persistent_forward_equals_default(head_dim, cfg, mods, seed
   run = lambda c: ops.attention(q, k, v, None, kv_lengths, scale=head_dim ** -0.5,
                                 spec=pallas_attn.MaskSpec(is_causal=True), interpret=True,
                                 fwd_cfg=c, kv_splits=1, **kwargs)
-  got = run(cfg)
-  want = run(dataclasses.replace(cfg, persistent=False))
-  for g, w in zip(got, want):
+  for g, w in zip(run(cfg), run(other_cfg)):
     np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
   assert interpret_pallas_call.get_races().races_found is False
 
@@ -327,6 +368,9 @@ _LOWERED_VARIANTS = [
     (256, {"fwd": _K(64, 64, persistent=True)}),  # the output through the q tile
     (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
                      persistent_max_blocks=1 << 20, pair_q_tiles=True)}),
+    (64, {"fwd": _THREE_WGS}),
+    (64, {"fwd": dataclasses.replace(_THREE_WGS, overlap_qk=True, persistent=True,
+                                     pair_q_tiles=True)}),
     (64, {"fwd": _K(64, 128, fold_scale=True, exp2_fma_cols=24)}),
     (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
                      exp2_fma_cols=32)}),
@@ -649,6 +693,12 @@ _GPU_FORWARD_LAYOUTS = {
     "d64_exp2_fma": (64, _K(64, 128, fold_scale=True, exp2_fma_cols=24)),
     "d64_exp2_fma_overlap": (64, _K(64, 128, overlap_qk=True, fold_scale=True, ping_pong=False,
                                     exp2_fma_cols=32)),
+    # Three compute warpgroups (1000 rows: the last 192-row CTA partly past them), with the
+    # overlap, and persistent with tile pairs.
+    "d64_three_warpgroups": (64, _THREE_WGS),
+    "d64_three_warpgroups_overlap": (64, dataclasses.replace(_THREE_WGS, overlap_qk=True)),
+    "d64_three_warpgroups_persistent": (64, dataclasses.replace(
+        _THREE_WGS, overlap_qk=True, persistent=True, pair_q_tiles=True)),
 }
 
 

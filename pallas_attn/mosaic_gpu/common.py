@@ -78,8 +78,9 @@ def compiler_params_within_smem(scratch_types, what: str, reduces: bool):
 
 
 def warp_specialized(kernel, scratch_types, *, out_type, grid, grid_names, what: str,
-                     reduces: bool, interpret: bool):
-  """`plgpu.kernel` of `kernel` run by COMPUTE_WARPGROUPS compute warpgroups and a producer
+                     reduces: bool, interpret: bool,
+                     compute_warpgroups: int = config_lib.COMPUTE_WARPGROUPS):
+  """`plgpu.kernel` of `kernel` run by `compute_warpgroups` compute warpgroups and a producer
   warpgroup (the thread axis "wg"), once `scratch_types(interpret)` (the kernel's shared memory
   and barriers) is checked to fit (`compiler_params_within_smem`; `what` names the kernel in the
   error)."""
@@ -90,7 +91,7 @@ def warp_specialized(kernel, scratch_types, *, out_type, grid, grid_names, what:
       scratch_types=scratch_types(interpret),
       grid=grid,
       grid_names=grid_names,
-      num_threads=config_lib.COMPUTE_WARPGROUPS + 1,
+      num_threads=compute_warpgroups + 1,
       thread_name="wg",
       compiler_params=params,
       interpret=interpret_params(interpret),

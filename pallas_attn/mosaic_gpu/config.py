@@ -14,7 +14,8 @@ not. The arithmetic, bf16/f16 (2 bytes):
 - dQ: q and dO tiles per compute warpgroup, the same K/V ring. head_dim 256 (`head_split`: one
   q and dO tile shared by both warpgroups): 64 KiB, and a two-slot ring of 128 KiB.
 - dK/dV: K and V tiles per compute warpgroup, a ring of q/dO tiles (block_q rows each).
-Registers bound the accumulators (232 per thread of a compute warpgroup): the forward's S tile
+Registers bound the accumulators (232 per thread of a compute warpgroup; 160 with three compute
+warpgroups, the head_dim 64 forward's: S 64, the accumulator 32, P 32): the forward's S tile
 [64, block_kv] float32 takes block_kv / 2 registers per thread, the accumulator head_dim / 2; dQ
 holds S, dP (block_kv / 2 each) and dQ (head_dim / 2); dK/dV holds dK and dV (head_dim / 2
 each for a 64-row key tile) plus S^T and dP^T (block_q / 2 each), which is why head_dim 256
@@ -35,9 +36,11 @@ PASSES = ("fwd", "dq", "dkv")
 # The grid axes of every kernel: "tiles" is the kernel's own (query tiles in the forward and dQ
 # kernels, key tiles in dK/dV).
 GRID_AXES = ("heads", "tiles", "batch")
-# Registers a thread of the three-warpgroup CTA launches with: 65536 / 384, rounded down to the
-# multiple of 8 that setmaxnreg works in. The warpgroups then trade them (`compute_registers`).
-LAUNCH_REGISTERS = 168
+def launch_registers(compute_warpgroups: int) -> int:
+  """Registers a thread of a CTA of `compute_warpgroups` + 1 warpgroups launches with: 65536 /
+  (128 threads a warpgroup), rounded down to the multiple of 8 that setmaxnreg works in (168
+  with three warpgroups, 128 with four). The warpgroups then trade them (`compute_registers`)."""
+  return 65536 // (128 * (compute_warpgroups + 1)) // 8 * 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +141,19 @@ class KernelConfig:
   # (benchmarks/NOTES.md session 9); off.
   dp_ahead: bool = False
   # Registers per thread of each compute warpgroup (setmaxnreg); the producer warpgroup keeps
-  # what the two leave of the launch's 3 * LAUNCH_REGISTERS: 40 at 232 (tokamax's and JAX's
-  # examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups). H200: 240
-  # lowers the spills of the kernels that spill but is within the noise in speed (session 9).
+  # what they leave of the launch's (`launch_registers`): of 3 * 168, 40 at 232 (tokamax's and
+  # JAX's examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups); of 4 *
+  # 128 with three compute warpgroups, 32 at 160. H200: 240 lowers the spills of the kernels
+  # that spill but is within the noise in speed (session 9).
   compute_registers: int = 232
+  # Forward only: compute warpgroups a CTA (2 or 3), each owning `block_q` query rows, over one
+  # K/V ring. FlashAttention-3's head_dim 64 forward takes 3 (192-row tiles): where a tile's
+  # softmax takes longer than its two matmuls, two warpgroups leave the tensor cores idle while
+  # both are on the CUDA cores, and a third keeps them fed. The four warpgroups launch with 128
+  # registers a thread (`compute_registers` at most 160 with 3), without the ping-pong (its
+  # meetings pair two warpgroups) and without a block table (its entries are per pair); q
+  # tiles past the rows of the array skip (a CTA's last tile may be partly past them).
+  compute_warpgroups: int = 2
   # dK/dV with fused_dq, and the head-split kernels: the float32 tiles written from registers
   # (the dQ part before its reduce-add; dP handed between the warpgroups) get the 128-byte
   # swizzle (`common.F32_TILE_TRANSFORMS`) instead of a plain row-major layout whose rows all
@@ -182,7 +194,20 @@ class KernelConfig:
 
   @property
   def producer_registers(self) -> int:
-    return 3 * LAUNCH_REGISTERS - COMPUTE_WARPGROUPS * self.compute_registers
+    wgs = self.compute_warpgroups
+    return (wgs + 1) * launch_registers(wgs) - wgs * self.compute_registers
+
+  def two_warpgroups(self) -> "KernelConfig":
+    """This config with two compute warpgroups (what a block-table walk takes)."""
+    if self.compute_warpgroups == COMPUTE_WARPGROUPS:
+      return self
+    return dataclasses.replace(self, compute_warpgroups=COMPUTE_WARPGROUPS,
+                               compute_registers=KernelConfig.compute_registers)
+
+  @property
+  def rows_per_cta(self) -> int:
+    """Query rows a forward (or dQ) CTA owns: block_q per compute warpgroup."""
+    return self.compute_warpgroups * self.block_q
 
   def __post_init__(self):
     if self.block_q % 64 or self.block_kv % 64 or not (self.block_q and self.block_kv):
@@ -213,11 +238,18 @@ class KernelConfig:
                        f"({self.block_kv}), got {self.exp2_fma_cols}")
     if self.dq_column_halves and not self.fused_dq:
       raise ValueError("dq_column_halves is a layout of the fused dQ: it needs fused_dq=True")
-    if (self.compute_registers % 8 or self.compute_registers < LAUNCH_REGISTERS
+    if self.compute_warpgroups not in (2, 3):
+      raise ValueError(f"compute_warpgroups must be 2 or 3, got {self.compute_warpgroups}")
+    if self.compute_warpgroups == 3 and self.ping_pong:
+      raise ValueError("compute_warpgroups=3 takes no ping_pong (its meetings pair two "
+                       "warpgroups): set ping_pong=False")
+    wgs, launch = self.compute_warpgroups, launch_registers(self.compute_warpgroups)
+    if (self.compute_registers % 8 or self.compute_registers < launch
         or self.producer_registers < 24):
-      raise ValueError(f"compute_registers must be a multiple of 8 from {LAUNCH_REGISTERS} to "
-                       f"{(3 * LAUNCH_REGISTERS - 24) // COMPUTE_WARPGROUPS} (the producer keeps "
-                       f"at least 24), got {self.compute_registers}")
+      raise ValueError(f"compute_registers must be a multiple of 8 from {launch} to "
+                       f"{((wgs + 1) * launch - 24) // wgs // 8 * 8} with {wgs} compute "
+                       f"warpgroups (the producer keeps at least 24), got "
+                       f"{self.compute_registers}")
     if min(self.persistent_max_blocks, self.persistent_max_blocks_skewed) < 0:
       raise ValueError(f"persistent_max_blocks ({self.persistent_max_blocks}) and "
                        f"persistent_max_blocks_skewed ({self.persistent_max_blocks_skewed}) "
@@ -257,10 +289,14 @@ NUM_SMS = 132
 # output goes through the q tile, so each next q waits for the store): never. Causal (skewed)
 # tiles: 1.38-1.03x up to 32.5 blocks on average at every head dim, 1.01 at 64.5: up to 48
 # (benchmarks/NOTES.md session 12).
+# head_dim 64 forward: three compute warpgroups (192-row CTAs, no ping-pong; H200, fa sweep N
+# 512-16384: 1.09-1.15x the two-warpgroup ping-pong forward, causal 0.98-1.11x; 3 stages
+# 1.04-1.11x; the overlap 0.96-0.99x; benchmarks/NOTES.md session 12).
 _SHORT_ROWS_PERSISTENT = dict(persistent_max_blocks_skewed=48, pair_q_tiles=True)
 DEFAULTS: dict[tuple[int, str], KernelConfig] = {
-    (64, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True,
-                              persistent_max_blocks=32, **_SHORT_ROWS_PERSISTENT),
+    (64, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True, compute_warpgroups=3,
+                              ping_pong=False, compute_registers=160, persistent_max_blocks=32,
+                              **_SHORT_ROWS_PERSISTENT),
     (128, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True, overlap_qk=True,
                                ping_pong=False, persistent_max_blocks=16,
                                **_SHORT_ROWS_PERSISTENT),

@@ -1,7 +1,8 @@
 """Forward FlashAttention kernel for Hopper in Pallas Mosaic GPU.
 
 One CTA owns 2 * block_q query rows of one (batch, head): two compute warpgroups take block_q rows
-each, a third (the producer) streams K and V tiles through a `stages`-deep shared-memory ring with
+each (three with `compute_warpgroups=3`, the table's head_dim 64 forward), one more (the
+producer) streams K and V tiles through a `stages`-deep shared-memory ring with
 TMA copies that complete on barriers. Each compute warpgroup keeps the online-softmax state in
 registers (running max m, running sum l, unnormalized accumulator), multiplies with wgmma, and
 works in base 2 (scale * log2(e) folded into one multiply, exp2 on the SFU).
@@ -29,7 +30,11 @@ to read shared memory only), `exp2_fma_cols` (that many columns of each score ti
 exp2 from a polynomial on the FMA pipe, `exp2.exp2_tile`; off: slower on the H200) and
 `persistent` (one CTA per SM walks a static share of the (batch, head, query tile) items:
 `_persistent`; every feature above works there, each item's walk being the one-item CTA's, with
-the ring's slots and the q loads carried across items).
+the ring's slots and the q loads carried across items; `persistent_max_blocks(_skewed)` choose
+it from the static shape, where the tiles see few key blocks, and `pair_q_tiles` makes each unit
+of work two tiles of one head whose causal weights add up to the same). `compute_warpgroups=3`
+gives a CTA 3 * block_q rows; the rows are padded to whole block_q tiles only, so the warpgroups
+of a last tile past the array load, compute and store nothing (`in_rows`).
 """
 
 from __future__ import annotations
@@ -149,12 +154,11 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     q_length = q_len_ref[batch]
     kv_length = kv_len_ref[batch]
     q_tile = q_tile_of()
-    cta_start = q_tile * (config_lib.COMPUTE_WARPGROUPS * block_q)
+    cta_start = q_tile * cfg.rows_per_cta
     cta_lo = cta_hi = cta_list = None
     if table_refs is None:
-      cta_lo, cta_hi = mask_lib.kv_block_range(
-          spec, cta_start, config_lib.COMPUTE_WARPGROUPS * block_q, block_kv, num_kv_blocks,
-          kv_length)
+      cta_lo, cta_hi = mask_lib.kv_block_range(spec, cta_start, cfg.rows_per_cta, block_kv,
+                                               num_kv_blocks, kv_length)
       cta_hi = jnp.where(cta_start >= q_length, cta_lo, cta_hi)  # every row is padding
     else:
       cta_list = block_table.CtaList.read(table_refs, batch=batch, head=head, tile=q_tile)
@@ -177,10 +181,17 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     if taking_turns:
       pl.when(wg == 0)(lambda: plgpu.barrier_wait(turns[0].at[0]))
 
+  def in_rows(q_start):
+    """Whether a warpgroup's q tile lies in the array (with 3 warpgroups a CTA's last tile may
+    not: the rows are padded to whole tiles of block_q, not of the CTA's rows_per_cta)."""
+    return q_start < q_ref.shape[1]
+
   def q_copy(wg, batch, head, q_start):
-    """This warpgroup's q tile from global memory into its half of `qo_smem`."""
-    plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], qo_smem.at[wg],
-                            q_full.at[wg])
+    """This warpgroup's q tile from global memory into its part of `qo_smem`."""
+    @pl.when(in_rows(q_start))
+    def _():
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], qo_smem.at[wg],
+                              q_full.at[wg])
 
   def consume(wg, work: _Work, slot_base=None, next_q=None):
     """Compute warpgroup wg's rows of one work item, from loading its q (non-persistent) to
@@ -375,7 +386,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       plgpu.barrier_arrive(v_free.at[last])
       return acc, m_i, l_i, p, alpha
 
-    plgpu.barrier_wait(q_full.at[wg])
+    pl.when(in_rows(q_start))(lambda: plgpu.barrier_wait(q_full.at[wg]))
     carry = (
         plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), common.WGMMA),
         plgpu.layout_cast(jnp.full((block_q,), numerics.M_INIT, jnp.float32), common.WGMMA_ROW),
@@ -429,8 +440,11 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     out_smem[...] = out.astype(dtype)
     lse_smem.at[wg][...] = lse
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(out_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
-    plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+
+    @pl.when(in_rows(q_start))
+    def _store():
+      plgpu.copy_smem_to_gmem(out_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
+      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
     if persistent:
       if not o_smem:  # the output went through the q tile: the next q waits for the store
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -454,14 +468,14 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
   work = work_item(batch, head,
                    lambda: common.tile_index("q_tiles", num_q_tiles, cfg.reverse_q_tiles))
 
-  @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
+  @pl.when(wg == cfg.compute_warpgroups)
   def _producer():
     common.produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free,
                       batch=batch, kv_head=work.kv_head, block_of=work.block_of,
                       num_blocks=work.num_blocks(), block_kv=block_kv, stages=stages,
                       registers=cfg.producer_registers, split=split_kv_refills)
 
-  @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
+  @pl.when(wg < cfg.compute_warpgroups)
   def _consumer():
     plgpu.set_max_registers(cfg.compute_registers, action="increase")
     consume(wg, work)
@@ -493,7 +507,7 @@ def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, turn_ends,
     batch, head, q_tile = coords(step)
     return work_item(batch, head, lambda: q_tile)
 
-  @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
+  @pl.when(wg == cfg.compute_warpgroups)
   def _producer():
     plgpu.set_max_registers(cfg.producer_registers, action="decrease")
 
@@ -507,14 +521,13 @@ def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, turn_ends,
     _, wait_free = produce(batch=None, kv_head=None, block_of=None)  # (waits need no item)
     common.drain_ring(total, cfg.stages, wait_free)
 
-  @pl.when(wg < config_lib.COMPUTE_WARPGROUPS)
+  @pl.when(wg < cfg.compute_warpgroups)
   def _consumer():
     plgpu.set_max_registers(cfg.compute_registers, action="increase")
 
     def load_q(step):
       batch, head, q_tile = coords(step)
-      q_copy(wg, batch, head, q_tile * (config_lib.COMPUTE_WARPGROUPS * cfg.block_q)
-             + wg * cfg.block_q)
+      q_copy(wg, batch, head, q_tile * cfg.rows_per_cta + wg * cfg.block_q)
 
     load_q(0)
 
@@ -536,7 +549,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
             mods: mods_lib.KernelMods = mods_lib.KernelMods(),
             mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays(),
             table: block_table.BlockTable | None = None):
-  """q [B, T, Hq, D] with T a multiple of 2 * block_q; k, v [B, S, Hkv, D] with S a multiple of
+  """q [B, T, Hq, D] with T a multiple of block_q; k, v [B, S, Hkv, D] with S a multiple of
   block_kv; lengths int32 [B] (clamped to the unpadded lengths); `mod_arrays` as `mods` says
   (segment ids padded like q and k). `table`: the key blocks each CTA visits
   (`block_table.query_major` at (cfg.block_q, cfg.block_kv)); None: the positional ranges.
@@ -545,7 +558,11 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
   """
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
-  num_q_tiles = q_len // (config_lib.COMPUTE_WARPGROUPS * cfg.block_q)
+  if table is not None and cfg.compute_warpgroups != config_lib.COMPUTE_WARPGROUPS:
+    raise ValueError(f"a block table's entries are per CTA of {config_lib.COMPUTE_WARPGROUPS} "
+                     f"query blocks; the forward was given compute_warpgroups="
+                     f"{cfg.compute_warpgroups} (`KernelConfig.two_warpgroups`)")
+  num_q_tiles = -(-q_len // cfg.rows_per_cta)  # (3 warpgroups: the last may be partly past)
   grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
   work_schedule = None
   if cfg.runs_persistent(_tile_blocks(spec, num_q_tiles, cfg, kv_len)):
@@ -555,9 +572,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
     units = tuple((name, size // 2 if paired and name == "q_tiles" else size)
                   for name, size in zip(grid_names, grid))
     num_ctas = INTERPRET_CTAS if interpret else num_sms()
-    work_schedule = _Schedule(units, 0, num_q_tiles if paired else 0)
-    work_schedule = dataclasses.replace(work_schedule,
-                                        num_ctas=min(num_ctas, work_schedule.total))
+    total = math.prod(size for _, size in units)
+    work_schedule = _Schedule(units, min(num_ctas, total), num_q_tiles if paired else 0)
     grid, grid_names = (work_schedule.num_ctas,), (_SM_AXIS,)
   kernel = functools.partial(_kernel, spec=spec, scale=scale, cfg=cfg, num_q_tiles=num_q_tiles,
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
@@ -568,13 +584,14 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
       out_type=(jax.ShapeDtypeStruct(q.shape, q.dtype),
                 jax.ShapeDtypeStruct((batch, heads_q, q_len), jnp.float32)),
       grid=grid, grid_names=grid_names, what=f"the forward kernel with {cfg}", reduces=True,
-      interpret=interpret)(q, k, v, q_lengths, kv_lengths, mod_arrays, table)
+      interpret=interpret, compute_warpgroups=cfg.compute_warpgroups)(
+          q, k, v, q_lengths, kv_lengths, mod_arrays, table)
 
 
 def _tile_blocks(spec: mask_lib.MaskSpec, num_q_tiles: int, cfg: config_lib.KernelConfig,
                  kv_len: int) -> list[int]:
   """Key blocks each query tile visits at full lengths (the positional mask alone)."""
-  rows = config_lib.COMPUTE_WARPGROUPS * cfg.block_q
+  rows = cfg.rows_per_cta
   with jax.ensure_compile_time_eval():  # (called while the kernel's caller is traced)
     lo, hi = mask_lib.kv_block_range(spec, np.arange(num_q_tiles) * rows, rows, cfg.block_kv,
                                      kv_len // cfg.block_kv)
@@ -592,13 +609,13 @@ def _separate_output(cfg: config_lib.KernelConfig, head_dim: int, dtype) -> bool
 
 
 def _out_tile(cfg: config_lib.KernelConfig, head_dim: int, dtype):
-  return plgpu.SMEM((config_lib.COMPUTE_WARPGROUPS, cfg.block_q, head_dim), dtype,
+  return plgpu.SMEM((cfg.compute_warpgroups, cfg.block_q, head_dim), dtype,
                     transforms=common.TILE_TRANSFORMS)
 
 
 def scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
   """The forward kernel's shared memory and barriers (the order `_kernel` takes them in)."""
-  wgs = config_lib.COMPUTE_WARPGROUPS
+  wgs = cfg.compute_warpgroups
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   return [
       tile(wgs, cfg.block_q, head_dim),  # q in, then o out (unless the next), per warpgroup

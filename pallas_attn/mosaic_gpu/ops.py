@@ -54,6 +54,7 @@ class _Static:
   # length test).
   @property
   def q_multiple(self) -> int:
+    # (A three-warpgroup forward's last CTA may reach past these rows: its warpgroups there skip.)
     return math.lcm(_WGS * self.fwd_cfg.block_q, _WGS * self.dq_cfg.block_q, self.dkv_cfg.block_q)
 
   @property
@@ -67,6 +68,10 @@ def _static(head_dim: int, scale: float, spec: mask_lib.MaskSpec, interpret: boo
             dkv_cfg: config_lib.KernelConfig | None = None,
             mods: mods_lib.KernelMods = mods_lib.KernelMods()) -> _Static:
   """The call's static part; a config left None is the table's (`config.DEFAULTS`)."""
+  for name, cfg in (("dq_cfg", dq_cfg), ("dkv_cfg", dkv_cfg)):
+    if cfg is not None and cfg.compute_warpgroups != _WGS:
+      raise ValueError(f"{name}: the backward kernels run {_WGS} compute warpgroups, got "
+                       f"compute_warpgroups={cfg.compute_warpgroups} (a forward-only option)")
   return _Static(
       scale=scale, spec=spec, interpret=interpret,
       fwd_cfg=fwd_cfg or config_lib.kernel_config(head_dim, "fwd"),
@@ -123,7 +128,7 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
   static = _static(q.shape[-1], scale, spec, interpret, fwd_cfg, dq_cfg, dkv_cfg, mods)
   position_free_mods = mods == mods_lib.KernelMods(soft_cap=mods.soft_cap)
   if gqa_pack.should_pack(q.shape, k.shape[2], spec, k.shape[1], position_free_mods,
-                          _WGS * static.fwd_cfg.block_q):
+                          static.fwd_cfg.rows_per_cta):
     static = dataclasses.replace(
         static, spec=gqa_pack.positional_mask(spec, q.shape[1], k.shape[1]), pack_gqa=True)
   if kv_splits is not None and kv_splits < 1:
@@ -200,7 +205,7 @@ def _mask_fn_tile_operands(static: _Static, q_len: int, kv_len: int) -> tuple:
 def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   # (On one shard's arrays: the heuristic counts this device's CTAs.)
   splits = static.kv_splits or split_kv.num_splits(
-      q.shape, k.shape, pack_gqa=static.pack_gqa, rows_per_cta=_WGS * static.fwd_cfg.block_q,
+      q.shape, k.shape, pack_gqa=static.pack_gqa, rows_per_cta=static.fwd_cfg.rows_per_cta,
       kv_block=static.kv_multiple)
   if splits > 1:
     unsplit = functools.partial(_forward_pass, dataclasses.replace(static, kv_splits=1))
@@ -222,7 +227,10 @@ def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
                                               mask_fn_tiles)
   table = _table(_visibility(static, static.fwd_cfg, *padded[3:], *padded_lens, mod_arrays,
                              element_blocks), block_table.query_major)
-  out, lse = fwd.forward(*padded, scale=static.scale, spec=static.spec, cfg=static.fwd_cfg,
+  # (A block table's entries are per pair of query blocks: a three-warpgroup config walks it
+  # with two. The tiles are the same, so is the table.)
+  fwd_cfg = static.fwd_cfg if table is None else static.fwd_cfg.two_warpgroups()
+  out, lse = fwd.forward(*padded, scale=static.scale, spec=static.spec, cfg=fwd_cfg,
                          interpret=static.interpret, mods=static.mods,
                          mod_arrays=padded_arrays, table=table)
   return out[:, :q_len], lse[:, :, :q_len]
