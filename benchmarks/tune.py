@@ -63,6 +63,7 @@ TILES_LAST = ("heads", "batch", "tiles")
 # Two compute warpgroups in the forward (the table's head_dim 64 forward has three, which take no
 # ping-pong and at most 160 registers): what the ping-pong and 240-register variants run with.
 _TWO_WGS = dict(compute_warpgroups=2, compute_registers=232)
+_TWO_WGS_REGS240 = dict(_TWO_WGS, compute_registers=240)  # FlashAttention-3's split (240 / 24)
 # The forward without the overlap, with the ping-pong (what one-slot rings need: the overlap
 # frees V a step late).
 _PLAIN_FWD = dict(overlap_qk=False, ping_pong=True, **_TWO_WGS)
@@ -98,16 +99,15 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # The table has it on at head_dim 128 and 256 without the turns (`fwd_overlap_no_pp`).
     "fwd_overlap_turns": {"fwd": dict(overlap_qk=True, ping_pong=True, **_TWO_WGS)},
     "fwd_overlap_turns_regs240": {"fwd": dict(overlap_qk=True, ping_pong=True,
-                                              **dict(_TWO_WGS, compute_registers=240))},
+                                              **_TWO_WGS_REGS240)},
     "fwd_overlap_3st": {"fwd": dict(overlap_qk=True, ping_pong=True, stages=3, **_TWO_WGS)},
     # The table's forward at head_dim 128 and 256 before session 10: the ping-pong alone.
     "fwd_ping_pong": {"fwd": _PLAIN_FWD},
     "fwd_overlap_no_pp_3st": {"fwd": dict(overlap_qk=True, ping_pong=False, stages=3)},
     "fwd_overlap_no_pp_regs240": {"fwd": dict(overlap_qk=True, ping_pong=False,
-                                              **dict(_TWO_WGS, compute_registers=240))},
+                                              **_TWO_WGS_REGS240)},
     "fwd_overlap_no_pp_kv192_regs240": {"fwd": dict(overlap_qk=True, ping_pong=False,
-                                                    block_kv=192,
-                                                    **dict(_TWO_WGS, compute_registers=240))},
+                                                    block_kv=192, **_TWO_WGS_REGS240)},
     "fwd_overlap_kv64_3st": {"fwd": dict(overlap_qk=True, block_kv=64, stages=3)},
     "fwd_overlap_no_pp": {"fwd": dict(overlap_qk=True, ping_pong=False)},
     "fwd_overlap_kv64_no_pp": {"fwd": dict(overlap_qk=True, block_kv=64, ping_pong=False)},
@@ -182,7 +182,7 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_dq_halves_1st": {"dkv": dict(fused_dq=True, dq_column_halves=True, stages=1)},
     # i. FlashAttention-3's register split: 240 per compute thread, 24 for the producer (the
     # table: 232 / 40), for the kernels that spill (the fused dQ at 128, the head split at 256).
-    "regs240": {k: dict(_TWO_WGS, compute_registers=240) for k in KERNELS},
+    "regs240": {k: dict(_TWO_WGS_REGS240) for k in KERNELS},
     "dkv_fused_dq_regs240": {"dkv": dict(fused_dq=True, compute_registers=240)},
     "dkv_dq_halves_regs240": {"dkv": dict(fused_dq=True, dq_column_halves=True,
                                           compute_registers=240)},

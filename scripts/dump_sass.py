@@ -2,10 +2,10 @@
 
 Usage (on the H200): PYTHONPATH=. python scripts/dump_sass.py --head-dim 64 --out $OUT/sass
 Mosaic GPU writes the kernel's PTX, ptxas log and SASS under --out (MOSAIC_GPU_DUMP_*; nvdisasm
-comes from CUDA_ROOT, which the device image's pip-installed CUDA does not set). Then each
-`*.sass` file's mnemonics are counted, whole kernel and per loop body (the instructions between
-a backward branch's target and the branch), so the softmax's share of a step's issue slots can
-be read off without the GPU.
+comes from CUDA_ROOT, which the device image's pip-installed CUDA does not set). Then the
+mnemonics of each dumped file that holds SASS (HGMMA instructions) are counted, whole kernel and
+per loop body (the instructions between a backward branch's target and the branch), so the
+softmax's share of a step's issue slots can be read off without the GPU.
 """
 
 import argparse
@@ -59,7 +59,8 @@ def main(argv=None):
   p.add_argument("--causal", action="store_true")
   p.add_argument("--out", required=True, help="folder for Mosaic GPU's dumps")
   p.add_argument("--keep", default=None,
-                 help="copy the kernel's SASS listing to this file (the dump folder holds many)")
+                 help="copy the SASS listing to this file (the dump folder holds many files; with "
+                      "several kernels, the last one listed)")
   args = p.parse_args(argv)
   out = pathlib.Path(args.out)
   out.mkdir(parents=True, exist_ok=True)

@@ -154,7 +154,7 @@ _VARIANTS = {
         "fwd": _K(64, 64, stages=3, overlap_qk=True, fold_scale=True, reverse_q_tiles=True,
                   grid_order=("heads", "batch", "tiles"), persistent=True)},
     # Units of two query tiles (T - 1 - t, then t), as the table runs short rows: persistent
-    # where the tiles visit at most 4 key blocks of 128 (2 where they are skewed: the causal
+    # where the tiles visit at most 4 key blocks of 128 (3 where they are skewed: the causal
     # 460 x 460 case's tiles visit 1 to 4, 2.5 on average), the overlap without turns.
     "persistent_pairs": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
                                    persistent_max_blocks=4, persistent_max_blocks_skewed=3,
@@ -173,6 +173,8 @@ _CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_2
 _GQA_203 = cases.get_case("gqa_causal_113x203").replace(q_len=203, is_causal=False,
                                                          name="gqa_203x203")
 _GQA_CAUSAL_203 = _GQA_203.replace(is_causal=True, name="gqa_causal_203x203")
+# 4 query tiles of 128 rows a head (2 tile pairs).
+_GQA_CAUSAL_460 = _GQA_CAUSAL_203.replace(q_len=460, kv_len=460, name="gqa_causal_460")
 _GQA_CAUSAL_LENGTHS_330 = cases.get_case("gqa_causal_lengths_113x203").replace(
     q_len=330, kv_len=330, q_lengths=[330, 201], kv_lengths=[150, 330],
     name="gqa_causal_lengths_330x330")
@@ -229,7 +231,7 @@ _VARIANT_CASES = [
     ("persistent_heavy_first_overlap_qk", _GQA_CAUSAL_LENGTHS_330),
     # 4 query tiles a head (2 pairs), 16 units on 3 CTAs; causal with lengths; 3 tiles (odd:
     # single tiles); and past persistent_max_blocks (the one-tile grid).
-    ("persistent_pairs", _GQA_CAUSAL_203.replace(q_len=460, kv_len=460, name="gqa_causal_460")),
+    ("persistent_pairs", _GQA_CAUSAL_460),
     ("persistent_pairs_ping_pong", _GQA_CAUSAL_LENGTHS_330.replace(q_len=460, kv_len=460,
                                                                    q_lengths=[460, 201])),
     ("persistent_pairs", _GQA_CAUSAL_LENGTHS_330),
@@ -239,8 +241,7 @@ _VARIANT_CASES = [
     ("three_warpgroups", cases.get_case("gqa_causal_lengths_113x203")),
     ("three_warpgroups", cases.get_case("lengths_kv0_113x203")),
     ("three_warpgroups_overlap_qk", _GQA_CAUSAL_LENGTHS_330),
-    ("three_warpgroups_persistent_pairs", _GQA_CAUSAL_203.replace(q_len=460, kv_len=460,
-                                                                  name="gqa_causal_460")),
+    ("three_warpgroups_persistent_pairs", _GQA_CAUSAL_460),
     ("three_warpgroups_persistent_pairs", cases.get_case("window_l32_r8_203x113")),
 ]
 

@@ -36,6 +36,8 @@ PASSES = ("fwd", "dq", "dkv")
 # The grid axes of every kernel: "tiles" is the kernel's own (query tiles in the forward and dQ
 # kernels, key tiles in dK/dV).
 GRID_AXES = ("heads", "tiles", "batch")
+
+
 def launch_registers(compute_warpgroups: int) -> int:
   """Registers a thread of a CTA of `compute_warpgroups` + 1 warpgroups launches with: 65536 /
   (128 threads a warpgroup), rounded down to the multiple of 8 that setmaxnreg works in (168

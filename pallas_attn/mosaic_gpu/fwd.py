@@ -104,9 +104,10 @@ class _Schedule:
   c + num_ctas, ... of the (batch, head, query tile) units numbered in `order` (fastest axis
   first, `KernelConfig.grid_order`'s names). A unit is one item, or with `paired_tiles` = T
   (`KernelConfig.pair_q_tiles`) the two query tiles T - 1 - t and t of one (batch, head),
-  walked in that order: under a causal mask every such unit sees T + 1 key blocks of 2 * block_q
-  rows' worth, so a static schedule of them is as balanced as a non-causal one (strided single
-  tiles are not: 132 CTAs over 8 tiles a head give some CTAs mostly the heaviest tiles)."""
+  walked in that order: under a causal mask every such unit sees T + 1 tiles' worth of key
+  blocks (tiles of rows_per_cta rows), so a static schedule of them is as balanced as a
+  non-causal one (strided single tiles are not: 132 CTAs over 8 tiles a head give some CTAs
+  mostly the heaviest tiles)."""
   sizes: tuple[tuple[str, int], ...]  # (axis, size) of the units in `order`
   num_ctas: int
   paired_tiles: int = 0  # T when units are tile pairs (the q_tiles axis then counts T / 2)
