@@ -163,6 +163,8 @@ PRESETS = {
     "tune_d256": lambda: fa_sweep(seqs=(4096, 16384), head_dims=(256,)),
     # One d128 causal shape (benchmarks/tune.py --ptxas: registers hardly depend on the shape).
     "tune_d128": lambda: fa_sweep(seqs=(4096,), head_dims=(128,), causal=(True,)),
+    # head_dim 64 at the anchors' lengths (N = 4096 / 16384, causal and not).
+    "d64_anchors": lambda: fa_sweep(seqs=(4096, 16384), head_dims=(64,)),
     # head_dim 64 at N = 4096, causal and not (its backward fuses dQ into the dK/dV kernel).
     "tune_d64": lambda: fa_sweep(seqs=(4096,), head_dims=(64,)),
     # Short sequences (FWD_GAP_ANALYSIS.md #2: the per-CTA fixed cost of a 4- or 8-block tile),

@@ -218,6 +218,26 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_fused_dq_co_issue": {"dkv": dict(fused_dq=True, co_issue_dp=True)},
     "dkv_fused_dq_co_issue_regs240": {"dkv": dict(fused_dq=True, co_issue_dp=True,
                                                   compute_registers=240)},
+    # m. The fused dQ's wgmma issued behind dK's (and dV's), dS^T written while dK runs
+    # (session 13). head_dim 64 (the table fuses there):
+    "dkv_co_issue_dq": {"dkv": dict(co_issue_dq=True)},
+    "dkv_co_issue_dkv_dq": {"dkv": dict(co_issue_dkv=True, co_issue_dq=True)},
+    "dkv_co_issue_dq_regs240": {"dkv": dict(co_issue_dq=True, compute_registers=240)},
+    "dkv_co_issue_dq_3st": {"dkv": dict(co_issue_dq=True, stages=3)},
+    # head_dim 128 (the table has the separate dQ kernel): plain fused and column halves, dP's
+    # wgmma not co-issued (the fused kernel cannot hold its extra tile, session 9).
+    "dkv_fused_co_dkv_dq": {"dkv": dict(fused_dq=True, co_issue_dp=False, co_issue_dkv=True,
+                                        co_issue_dq=True)},
+    "dkv_fused_co_dkv_dq_regs240": {"dkv": dict(fused_dq=True, co_issue_dp=False,
+                                                co_issue_dkv=True, co_issue_dq=True,
+                                                compute_registers=240)},
+    "dkv_halves_co_dkv_dq": {"dkv": dict(fused_dq=True, dq_column_halves=True,
+                                         co_issue_dp=False, co_issue_dkv=True, co_issue_dq=True)},
+    "dkv_halves_co_dkv_dq_regs240": {"dkv": dict(fused_dq=True, dq_column_halves=True,
+                                                 co_issue_dp=False, co_issue_dkv=True,
+                                                 co_issue_dq=True, compute_registers=240)},
+    "dkv_halves_co_all_regs240": {"dkv": dict(fused_dq=True, dq_column_halves=True,
+                                              co_issue_dq=True, compute_registers=240)},
     # The separate dQ kernel again (where the table fuses: head_dim 64).
     "dkv_separate_dq": {"dkv": dict(fused_dq=False, dq_column_halves=False, block_q=64)},
 }

@@ -15,9 +15,14 @@ if [ -n "${TEST_SELECT:-}" ]; then
     | grep -v PASSED | tail -30
   echo "passed: $(grep -c PASSED "$OUT/gpu_tests.log")"
 fi
-if [ -n "${TUNE_ARGS:-}" ]; then
-  # shellcheck disable=SC2086
-  timeout "${TUNE_TIMEOUT:-300}" python3 -m benchmarks.tune $TUNE_ARGS --out "$OUT/tune.jsonl" \
-    >"$OUT/tune.log" 2>&1
-  grep -v "Autotuning cache miss\|cuda_timer" "$OUT/tune.log" | tail -60
-fi
+# TUNE_ARGS, then TUNE_ARGS2 (a second tuner run: other variants on other shapes), each within
+# TUNE_TIMEOUT seconds.
+for n in "" 2; do
+  args_var="TUNE_ARGS$n"
+  if [ -n "${!args_var:-}" ]; then
+    # shellcheck disable=SC2086
+    timeout "${TUNE_TIMEOUT:-300}" python3 -m benchmarks.tune ${!args_var} \
+      --out "$OUT/tune$n.jsonl" >"$OUT/tune$n.log" 2>&1
+    grep -v "Autotuning cache miss\|cuda_timer" "$OUT/tune$n.log" | tail -60
+  fi
+done

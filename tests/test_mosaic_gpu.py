@@ -132,6 +132,13 @@ _VARIANTS = {
                     "dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True)},
     "fused_dq_co_issue_dp": {"dkv": _K(64, 64, fused_dq=True, co_issue_dp=True,
                                        swizzle_f32=True, compute_registers=240)},
+    # The fused dQ's wgmma issued behind dK's (and dV's), dS^T written while dK's runs: as the
+    # table runs head_dim 64, with both co-issues at 128, and in column halves.
+    "fused_dq_co_issue_dq": {"dkv": _K(128, 64, fused_dq=True, co_issue_dq=True)},
+    "fused_dq_co_issue_dkv_dq": {"dkv": _K(64, 64, fused_dq=True, co_issue_dkv=True,
+                                           co_issue_dq=True)},
+    "dq_column_halves_co_issue_dq": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True,
+                                               co_issue_dkv=True, co_issue_dq=True)},
     # dQ's wgmma left running into the next step (dS through two shared-memory tiles).
     # (The dK/dV kernel named too: at head_dim 64 the table's makes dQ itself, and no dQ kernel
     # would run.)
@@ -216,6 +223,11 @@ _VARIANT_CASES = [
     ("co_issue_dp", _CAUSAL_203.replace(head_dim=128)),
     ("co_issue_dp", cases.get_case("gqa_causal_lengths_113x203")),
     ("fused_dq_co_issue_dp", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    ("fused_dq_co_issue_dq", _CAUSAL_203),
+    ("fused_dq_co_issue_dq", cases.get_case("gqa_causal_lengths_113x203")),
+    ("fused_dq_co_issue_dkv_dq", cases.get_case("mqa_113x203").replace(head_dim=128)),
+    ("dq_column_halves_co_issue_dq", _CAUSAL_203.replace(head_dim=128)),
+    ("dq_column_halves_co_issue_dq", cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
     ("dq_in_flight", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
     ("dq_in_flight_3stages", _CAUSAL_203),  # up to 4 key blocks a CTA, 3 slots
@@ -395,6 +407,12 @@ _LOWERED_VARIANTS = [
     (128, {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True, swizzle_f32=True)}),
     (256, {"dq": _K(64, 64, head_split=True, swizzle_f32=True),
            "dkv": _K(64, 64, head_split=True, swizzle_f32=True)}),
+    (64, {"dkv": _K(128, 64, fused_dq=True, co_issue_dq=True)}),
+    (64, {"dkv": _K(128, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True)}),
+    (128, {"dkv": _K(64, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True,
+                     compute_registers=240)}),
+    (128, {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True, co_issue_dp=True,
+                     co_issue_dkv=True, co_issue_dq=True)}),
 ]
 
 
@@ -405,6 +423,11 @@ def test_register_split_is_checked():
   for bad in (236, 248, 160):
     with pytest.raises(ValueError, match="compute_registers"):
       _K(64, 64, compute_registers=bad)
+
+
+def test_co_issue_dq_needs_the_fused_dq():
+  with pytest.raises(ValueError, match="co_issue_dq.*fused_dq=True"):
+    _K(64, 64, co_issue_dq=True)
 
 
 def test_dq_in_flight_needs_two_slots():
@@ -659,6 +682,8 @@ _GPU_VARIANTS = {
     "co_issue_dp": _VARIANTS["co_issue_dp"],
     "dq_in_flight": _VARIANTS["dq_in_flight"],
     "fused_dq_co_issue_dp": _VARIANTS["fused_dq_co_issue_dp"],
+    "fused_dq_co_issue_dkv_dq": _VARIANTS["fused_dq_co_issue_dkv_dq"],
+    "dq_column_halves_co_issue_dq": _VARIANTS["dq_column_halves_co_issue_dq"],
     "persistent": {"fwd": _K(64, 128, persistent=True)},
     "exp2_fma_overlap_qk": _VARIANTS["exp2_fma_overlap_qk"],
     "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,
@@ -713,6 +738,26 @@ _GPU_FORWARD_LAYOUTS = {
 def test_gpu_forward_layouts_other_head_dims(variant, case, seed):
   head_dim, cfg = _GPU_FORWARD_LAYOUTS[variant]
   with kernel_table(head_dim, {"fwd": cfg}):
+    _poison_allocator(64 << 20)
+    cases.check_case(case, "mosaic_gpu", seed=seed)
+
+
+# The fused dK/dV/dQ layouts at head_dim 64 the table does not run: the dQ wgmma issued behind
+# dK's, alone and with dV's too (the _GPU_VARIANTS above run at head_dim 128).
+_GPU_D64_BACKWARD_LAYOUTS = {
+    "d64_fused_co_issue_dq": _VARIANTS["fused_dq_co_issue_dq"]["dkv"],
+    "d64_fused_co_issue_dkv_dq": _K(128, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True),
+}
+
+
+@gpu
+@pytest.mark.parametrize("variant,case", [
+    pytest.param(v, c.replace(dtype=cases.BF16, head_dim=64), id=f"{v}-{c.name}")
+    for v in _GPU_D64_BACKWARD_LAYOUTS
+    for c in (cases.get_case("causal_1023x1024"), cases.get_case("mha_1000x1000"),
+              cases.get_case("gqa_causal_window_lengths_1000x1000"))])
+def test_gpu_d64_backward_layouts(variant, case, seed):
+  with kernel_table(64, {"dkv": _GPU_D64_BACKWARD_LAYOUTS[variant]}):
     _poison_allocator(64 << 20)
     cases.check_case(case, "mosaic_gpu", seed=seed)
 

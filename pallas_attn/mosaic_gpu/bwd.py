@@ -326,29 +326,31 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       # no TMA reduction); compiled, every CTA adds into the one zeroed dQ.
       dq_dest = (dq_acc_ref.at[lax.axis_index("kv_tiles") * _WGS + wg] if dq_partials
                  else dq_acc_ref)
+      dq_width = head_dim // 2 if cfg.dq_column_halves else head_dim
+      dq_columns = pl.ds(wg * dq_width, dq_width)  # (dq_column_halves: this warpgroup's half)
 
-    def add_dq(dst, slot, head, qi):
-      """dQ[qi block] += dS K: dS^T goes through shared memory so the wgmma can read it
-      transposed; the float32 product leaves by a TMA reduce-add. Plain fused_dq: this
-      warpgroup's keys, every column. dq_column_halves: both warpgroups' keys (their dS^T tiles
-      meet at `halves_met[0]`), this warpgroup's half of the columns. (Ring slot `slot`'s dS^T tiles
+    def dq_operands(dst, slot):
+      """Writes this warpgroup's dS^T to shared memory, where the dQ wgmma reads it transposed,
+      and returns that wgmma's (lhs, rhs) pairs: plain fused_dq, dS times this warpgroup's K
+      tile, every column; dq_column_halves, both warpgroups' dS (they meet at `halves_met[0]`)
+      times the matching half of the columns of both K tiles. (Ring slot `slot`'s dS^T tiles
       are rewritten only after both warpgroups released the slot, so after both read them.)
       (dK's wgmma keeps reading dS^T from registers: reading it from here instead spilled more
       and was 5-9% slower on the H200, benchmarks/NOTES.md session 6.)"""
-      rows_out = (batch, pl.ds(qi * block_q, block_q), head)
       own_ds = ds_smem.at[slot, wg] if cfg.dq_column_halves else ds_smem.at[wg]
       own_ds[...] = dst
       plgpu.commit_smem()
+      if not cfg.dq_column_halves:
+        return [(own_ds.T, k_smem.at[wg])]
+      plgpu.barrier_arrive(halves_met[0].at[slot])
+      plgpu.barrier_wait(halves_met[0].at[slot])
+      return [(ds_smem.at[slot, w].T, k_smem.at[w, :, dq_columns]) for w in range(_WGS)]
+
+    def reduce_dq(part, head, qi):
+      """dQ[qi block (, this warpgroup's half)] += part, by a TMA reduce-add from shared memory."""
+      rows_out = (batch, pl.ds(qi * block_q, block_q), head)
       if cfg.dq_column_halves:
-        plgpu.barrier_arrive(halves_met[0].at[slot])
-        plgpu.barrier_wait(halves_met[0].at[slot])
-        half = pl.ds(wg * (head_dim // 2), head_dim // 2)
-        part = common.matmul_sum(
-            [(ds_smem.at[slot, w].T, k_smem.at[w, :, half]) for w in range(_WGS)],
-            (block_q, head_dim // 2))
-        rows_out = (*rows_out, half)
-      else:
-        part = common.matmul(own_ds.T, k_smem.at[wg], (block_q, head_dim))
+        rows_out = (*rows_out, dq_columns)
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_out
       dq_out_smem.at[wg][...] = part
       plgpu.commit_smem()
@@ -399,13 +401,24 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
                                     chain)
           dst = dst.astype(dtype)
-          if pairs:
-            acc["dv"], acc["dk"] = common.matmul_acc_pair(
-                (acc["dv"], *dv_operands), (acc["dk"], dst, q_smem.at[slot]), stage)
+          dk_operands = (acc["dk"], dst, q_smem.at[slot])
+          dq_head = kv_head * groups + g
+          if dq_acc_ref is not None and cfg.co_issue_dq:
+            names = ("dv", "dk") if pairs else ("dk",)
+            accumulating = ((acc["dv"], *dv_operands), dk_operands) if pairs else (dk_operands,)
+            accs, part = common.matmul_accs_then_product(
+                accumulating, lambda: dq_operands(dst, slot), (block_q, dq_width), stage)
+            acc.update(zip(names, accs))
+            reduce_dq(part, dq_head, qi)
           else:
-            acc["dk"] = common.matmul_acc(acc["dk"], dst, q_smem.at[slot], stage)
-          if dq_acc_ref is not None:
-            add_dq(dst, slot, kv_head * groups + g, qi)
+            if pairs:
+              acc["dv"], acc["dk"] = common.matmul_acc_pair((acc["dv"], *dv_operands),
+                                                            dk_operands, stage)
+            else:
+              acc["dk"] = common.matmul_acc(*dk_operands, stage)
+            if dq_acc_ref is not None:
+              reduce_dq(common.matmul_sum(dq_operands(dst, slot), (block_q, dq_width)),
+                        dq_head, qi)
         plgpu.barrier_arrive(slot_free.at[slot])
         return acc
 

@@ -180,6 +180,31 @@ def matmul_acc_pair(first, second, staging=None) -> tuple[jax.Array, jax.Array]:
   return pl.run_state(body)((plgpu.ACC.init(first[0]), plgpu.ACC.init(second[0])))
 
 
+def matmul_accs_then_product(accumulating, between, shape, staging=None):
+  """`matmul_acc` of each (acc, lhs, rhs) in `accumulating`, their wgmmas issued back to back;
+  then `between()` runs while they are on the tensor cores and returns (lhs, rhs) pairs in
+  shared memory whose sum of products goes into a fresh float32 `shape` accumulator, issued
+  behind them; all are awaited once. Returns (the new accs, the product). The interpreter
+  (`staging` given, see `matmul_acc`) runs the same arithmetic one step after the other."""
+  if staging is not None:
+    accs = tuple(matmul_acc(*operands, staging) for operands in accumulating)
+    return accs, matmul_sum(between(), shape)
+
+  def body(product_ref):
+    def issue(acc_refs):
+      for acc_ref, (_, lhs, rhs) in zip(acc_refs, accumulating):
+        plgpu.wgmma(acc_ref, lhs, rhs)
+      for lhs, rhs in between():
+        plgpu.wgmma(product_ref, lhs, rhs)
+
+    # (run_state's end awaits every wgmma in flight, the product's too.)
+    accs = pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc, _, _ in accumulating))
+    plgpu.wgmma_wait(0)
+    return accs, product_ref[...]
+
+  return pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+
+
 def matmul_acc_smem(acc, lhs, rhs, interpret: bool) -> jax.Array:
   """acc + lhs @ rhs with lhs a shared-memory ref: in place compiled (`matmul_acc`), a fresh
   product added in registers in the interpreter (which runs no `run_state`)."""

@@ -170,6 +170,11 @@ class KernelConfig:
   # dK/dV (not head_split): dV's and dK's wgmmas of a step issued together after dS is made, and
   # awaited once, instead of dV's awaited before dS is computed.
   co_issue_dkv: bool = False
+  # dK/dV with fused_dq: the dQ wgmma is issued right behind dK's (and dV's, with co_issue_dkv),
+  # and the three are awaited once. The dS^T tile is written to shared memory, and with
+  # dq_column_halves the warpgroups meet, while dK's wgmma runs; without it dK's wgmma is
+  # awaited before dS^T is written, and dQ's before the step goes on.
+  co_issue_dq: bool = False
   # dQ (not head_split): each step's dQ += dS K wgmma (dS through one of two shared-memory tiles
   # per warpgroup) is left running into the next step, whose S (and dP) wgmmas are issued behind
   # it; the next step's first wait covers it, and only then is its K slot released. Without it
@@ -238,6 +243,8 @@ class KernelConfig:
     if self.exp2_fma_cols % 8 or not 0 <= self.exp2_fma_cols <= self.block_kv:
       raise ValueError(f"exp2_fma_cols must be a multiple of 8 from 0 to block_kv "
                        f"({self.block_kv}), got {self.exp2_fma_cols}")
+    if self.co_issue_dq and not self.fused_dq:
+      raise ValueError("co_issue_dq issues the fused dQ's wgmma: it needs fused_dq=True")
     if self.dq_column_halves and not self.fused_dq:
       raise ValueError("dq_column_halves is a layout of the fused dQ: it needs fused_dq=True")
     if self.compute_warpgroups not in (2, 3):
