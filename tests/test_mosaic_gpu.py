@@ -138,7 +138,8 @@ _VARIANTS = {
     "fused_dq_co_issue_dkv_dq": {"dkv": _K(64, 64, fused_dq=True, co_issue_dkv=True,
                                            co_issue_dq=True)},
     "dq_column_halves_co_issue_dq": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True,
-                                               co_issue_dkv=True, co_issue_dq=True)},
+                                               co_issue_dkv=True, co_issue_dq=True,
+                                               compute_registers=240)},
     # dQ's wgmma left running into the next step (dS through two shared-memory tiles).
     # (The dK/dV kernel named too: at head_dim 64 the table's makes dQ itself, and no dQ kernel
     # would run.)
@@ -747,6 +748,8 @@ def test_gpu_forward_layouts_other_head_dims(variant, case, seed):
 _GPU_D64_BACKWARD_LAYOUTS = {
     "d64_fused_co_issue_dq": _VARIANTS["fused_dq_co_issue_dq"]["dkv"],
     "d64_fused_co_issue_dkv_dq": _K(128, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True),
+    "d64_fused_co_issue_dkv_dq_regs240": _K(128, 64, fused_dq=True, co_issue_dkv=True,
+                                            co_issue_dq=True, compute_registers=240),
 }
 
 
