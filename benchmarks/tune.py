@@ -225,6 +225,12 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_co_issue_dq_regs240": {"dkv": dict(co_issue_dq=True, compute_registers=240)},
     "dkv_co_issue_dkv_dq_regs240": {"dkv": dict(co_issue_dkv=True, co_issue_dq=True,
                                                 compute_registers=240)},
+    # ... and dS made from the rounded P (the float32 P dead before dP is made).
+    "dkv_co_issue_dkv_dq_rounded_p": {"dkv": dict(co_issue_dkv=True, co_issue_dq=True,
+                                                  ds_from_rounded_p=True)},
+    "dkv_co_issue_dkv_dq_rounded_p_3st": {"dkv": dict(co_issue_dkv=True, co_issue_dq=True,
+                                                      ds_from_rounded_p=True, stages=3)},
+    "dkv_rounded_p": {"dkv": dict(ds_from_rounded_p=True)},
     "dkv_co_issue_dq_3st": {"dkv": dict(co_issue_dq=True, stages=3)},
     # head_dim 128 (the table has the separate dQ kernel): plain fused and column halves, dP's
     # wgmma not co-issued (the fused kernel cannot hold its extra tile, session 9).

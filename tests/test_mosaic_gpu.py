@@ -140,6 +140,9 @@ _VARIANTS = {
     "dq_column_halves_co_issue_dq": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True,
                                                co_issue_dkv=True, co_issue_dq=True,
                                                compute_registers=240)},
+    # ... and dS from the P rounded for dV's wgmma (head_dim 64's candidate).
+    "fused_dq_co_issue_rounded_p": {"dkv": _K(128, 64, fused_dq=True, co_issue_dkv=True,
+                                              co_issue_dq=True, ds_from_rounded_p=True)},
     # dQ's wgmma left running into the next step (dS through two shared-memory tiles).
     # (The dK/dV kernel named too: at head_dim 64 the table's makes dQ itself, and no dQ kernel
     # would run.)
@@ -229,6 +232,8 @@ _VARIANT_CASES = [
     ("fused_dq_co_issue_dkv_dq", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("dq_column_halves_co_issue_dq", _CAUSAL_203.replace(head_dim=128)),
     ("dq_column_halves_co_issue_dq", cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
+    ("fused_dq_co_issue_rounded_p", _CAUSAL_203),
+    ("fused_dq_co_issue_rounded_p", cases.get_case("gqa_causal_lengths_113x203")),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
     ("dq_in_flight", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
     ("dq_in_flight_3stages", _CAUSAL_203),  # up to 4 key blocks a CTA, 3 slots
@@ -409,7 +414,9 @@ _LOWERED_VARIANTS = [
     (256, {"dq": _K(64, 64, head_split=True, swizzle_f32=True),
            "dkv": _K(64, 64, head_split=True, swizzle_f32=True)}),
     (64, {"dkv": _K(128, 64, fused_dq=True, co_issue_dq=True)}),
-    (64, {"dkv": _K(128, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True)}),
+    (64, {"dkv": _K(128, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True,
+                    ds_from_rounded_p=True)}),
+    (128, {"dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True, ds_from_rounded_p=True)}),
     (128, {"dkv": _K(64, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True,
                      compute_registers=240)}),
     (128, {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True, co_issue_dp=True,
@@ -750,6 +757,7 @@ _GPU_D64_BACKWARD_LAYOUTS = {
     "d64_fused_co_issue_dkv_dq": _K(128, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True),
     "d64_fused_co_issue_dkv_dq_regs240": _K(128, 64, fused_dq=True, co_issue_dkv=True,
                                             co_issue_dq=True, compute_registers=240),
+    "d64_fused_co_issue_rounded_p": _VARIANTS["fused_dq_co_issue_rounded_p"]["dkv"],
 }
 
 

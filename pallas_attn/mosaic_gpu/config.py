@@ -175,6 +175,12 @@ class KernelConfig:
   # dq_column_halves the warpgroups meet, while dK's wgmma runs; without it dK's wgmma is
   # awaited before dS^T is written, and dQ's before the step goes on.
   co_issue_dq: bool = False
+  # dK/dV (not head_split), without dropout: dS = P * (dP - delta) takes P rounded to the input
+  # dtype (the copy dV's wgmma reads) instead of the float32 P, so only that copy stays live
+  # while dP is made (32 registers a thread less per [64, 128] tile). dS is rounded to the input
+  # dtype for its wgmmas anyway; this adds one more rounding of the same size. (With dropout dV
+  # reads the dropped P, and dS keeps the float32 one.)
+  ds_from_rounded_p: bool = False
   # dQ (not head_split): each step's dQ += dS K wgmma (dS through one of two shared-memory tiles
   # per warpgroup) is left running into the next step, whose S (and dP) wgmmas are issued behind
   # it; the next step's first wait covers it, and only then is its K slot released. Without it
