@@ -210,8 +210,8 @@ VARIANTS: dict[str, dict[str, dict]] = {
                     "dkv": dict(co_issue_dp=False, co_issue_dkv=False)},
     # head_dim 64: the separate dQ kernel with both co-issues, against the fused dQ.
     "separate_dq_co_issue": {"dq": dict(co_issue_dp=True),
-                             "dkv": dict(fused_dq=False, block_q=64, co_issue_dp=True,
-                                         co_issue_dkv=True)},
+                             "dkv": dict(fused_dq=False, co_issue_dq=False, block_q=64,
+                                         co_issue_dp=True, co_issue_dkv=True)},
     "dkv_fused_dq_swizzled_regs240_co_dkv": {"dkv": dict(fused_dq=True, swizzle_f32=True,
                                                          compute_registers=240,
                                                          co_issue_dkv=True)},
@@ -219,19 +219,10 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_fused_dq_co_issue_regs240": {"dkv": dict(fused_dq=True, co_issue_dp=True,
                                                   compute_registers=240)},
     # m. The fused dQ's wgmma issued behind dK's (and dV's), dS^T written while dK runs
-    # (session 13). head_dim 64 (the table fuses there):
-    "dkv_co_issue_dq": {"dkv": dict(co_issue_dq=True)},
-    "dkv_co_issue_dkv_dq": {"dkv": dict(co_issue_dkv=True, co_issue_dq=True)},
+    # (session 13: in the table at head_dim 64, with co_issue_dkv). head_dim 64:
+    "dkv_one_at_a_time": {"dkv": dict(co_issue_dkv=False, co_issue_dq=False)},  # (till then)
+    "dkv_co_issue_dq_only": {"dkv": dict(co_issue_dkv=False, co_issue_dq=True)},
     "dkv_co_issue_dq_regs240": {"dkv": dict(co_issue_dq=True, compute_registers=240)},
-    "dkv_co_issue_dkv_dq_regs240": {"dkv": dict(co_issue_dkv=True, co_issue_dq=True,
-                                                compute_registers=240)},
-    # ... and dS made from the rounded P (the float32 P dead before dP is made).
-    "dkv_co_issue_dkv_dq_rounded_p": {"dkv": dict(co_issue_dkv=True, co_issue_dq=True,
-                                                  ds_from_rounded_p=True)},
-    "dkv_co_issue_dkv_dq_rounded_p_3st": {"dkv": dict(co_issue_dkv=True, co_issue_dq=True,
-                                                      ds_from_rounded_p=True, stages=3)},
-    "dkv_rounded_p": {"dkv": dict(ds_from_rounded_p=True)},
-    "dkv_co_issue_dq_3st": {"dkv": dict(co_issue_dq=True, stages=3)},
     # head_dim 128 (the table has the separate dQ kernel): plain fused and column halves, dP's
     # wgmma not co-issued (the fused kernel cannot hold its extra tile, session 9).
     "dkv_fused_co_dkv_dq": {"dkv": dict(fused_dq=True, co_issue_dp=False, co_issue_dkv=True,
@@ -247,7 +238,8 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_halves_co_all_regs240": {"dkv": dict(fused_dq=True, dq_column_halves=True,
                                               co_issue_dq=True, compute_registers=240)},
     # The separate dQ kernel again (where the table fuses: head_dim 64).
-    "dkv_separate_dq": {"dkv": dict(fused_dq=False, dq_column_halves=False, block_q=64)},
+    "dkv_separate_dq": {"dkv": dict(fused_dq=False, dq_column_halves=False, co_issue_dq=False,
+                                    block_q=64)},
 }
 
 _DEFAULT = "default"
@@ -270,6 +262,10 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   if VARIANTS[name].get("dkv", {}).get("fused_dq") and (table_dkv.split_dkv
                                                         or table_dkv.head_split):
     return f"does not apply: head_dim {shape.head_dim} splits dK and dV"
+  dkv_changes = VARIANTS[name].get("dkv", {})
+  if dkv_changes.get("co_issue_dq") and not dkv_changes.get("fused_dq", table_dkv.fused_dq):
+    return (f"does not apply: co_issue_dq is the fused dQ's option, and head_dim "
+            f"{shape.head_dim}'s table has the separate dQ kernel")
   if (any(c.get("dp_ahead") for c in VARIANTS[name].values())
       and not config_lib.kernel_config(shape.head_dim, "dq").head_split):
     return f"does not apply: dp_ahead is a head_split option (head_dim 256), not {shape.head_dim}"

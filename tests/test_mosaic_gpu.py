@@ -140,9 +140,6 @@ _VARIANTS = {
     "dq_column_halves_co_issue_dq": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True,
                                                co_issue_dkv=True, co_issue_dq=True,
                                                compute_registers=240)},
-    # ... and dS from the P rounded for dV's wgmma (head_dim 64's candidate).
-    "fused_dq_co_issue_rounded_p": {"dkv": _K(128, 64, fused_dq=True, co_issue_dkv=True,
-                                              co_issue_dq=True, ds_from_rounded_p=True)},
     # dQ's wgmma left running into the next step (dS through two shared-memory tiles).
     # (The dK/dV kernel named too: at head_dim 64 the table's makes dQ itself, and no dQ kernel
     # would run.)
@@ -232,8 +229,6 @@ _VARIANT_CASES = [
     ("fused_dq_co_issue_dkv_dq", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("dq_column_halves_co_issue_dq", _CAUSAL_203.replace(head_dim=128)),
     ("dq_column_halves_co_issue_dq", cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
-    ("fused_dq_co_issue_rounded_p", _CAUSAL_203),
-    ("fused_dq_co_issue_rounded_p", cases.get_case("gqa_causal_lengths_113x203")),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
     ("dq_in_flight", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
     ("dq_in_flight_3stages", _CAUSAL_203),  # up to 4 key blocks a CTA, 3 slots
@@ -414,9 +409,7 @@ _LOWERED_VARIANTS = [
     (256, {"dq": _K(64, 64, head_split=True, swizzle_f32=True),
            "dkv": _K(64, 64, head_split=True, swizzle_f32=True)}),
     (64, {"dkv": _K(128, 64, fused_dq=True, co_issue_dq=True)}),
-    (64, {"dkv": _K(128, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True,
-                    ds_from_rounded_p=True)}),
-    (128, {"dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True, ds_from_rounded_p=True)}),
+    (64, {"dkv": _K(128, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True)}),
     (128, {"dkv": _K(64, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True,
                      compute_registers=240)}),
     (128, {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True, co_issue_dp=True,
@@ -750,14 +743,14 @@ def test_gpu_forward_layouts_other_head_dims(variant, case, seed):
     cases.check_case(case, "mosaic_gpu", seed=seed)
 
 
-# The fused dK/dV/dQ layouts at head_dim 64 the table does not run: the dQ wgmma issued behind
-# dK's, alone and with dV's too (the _GPU_VARIANTS above run at head_dim 128).
+# The fused dK/dV/dQ layouts at head_dim 64 the table does not run (it issues dV's, dK's and
+# dQ's wgmmas together): every wgmma awaited in turn (the table till session 13), the dQ wgmma
+# behind dK's alone, and the table's with 240 registers (the _GPU_VARIANTS above run at 128).
 _GPU_D64_BACKWARD_LAYOUTS = {
+    "d64_fused_one_at_a_time": _K(128, 64, fused_dq=True),
     "d64_fused_co_issue_dq": _VARIANTS["fused_dq_co_issue_dq"]["dkv"],
-    "d64_fused_co_issue_dkv_dq": _K(128, 64, fused_dq=True, co_issue_dkv=True, co_issue_dq=True),
     "d64_fused_co_issue_dkv_dq_regs240": _K(128, 64, fused_dq=True, co_issue_dkv=True,
                                             co_issue_dq=True, compute_registers=240),
-    "d64_fused_co_issue_rounded_p": _VARIANTS["fused_dq_co_issue_rounded_p"]["dkv"],
 }
 
 

@@ -389,11 +389,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           pt, chain, keep = probabilities(common.matmul(*st_operands))
         stage = staging[0].at[wg] if staging else None
         pairs = cfg.co_issue_dkv and outputs == ("dk", "dv")
-        p_for_ds = pt
         if "dv" in outputs:
           dv_operands = (scores.dropped(pt, keep).astype(dtype), do_smem.at[slot])
-          if cfg.ds_from_rounded_p and keep is None:
-            p_for_ds = dv_operands[0]  # (the float32 P dies here; widened where dS is made)
           if not pairs:
             acc["dv"] = common.matmul_acc(acc["dv"], *dv_operands, stage)
         if "dk" in outputs:
@@ -401,9 +398,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
             dpt = common.matmul(*dpt_operands)
           dpt = scores.dropped(dpt, keep)
           delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
-          dst = mods_lib.logit_grad(
-              p_for_ds.astype(jnp.float32) * (dpt - common.broadcast_cols(delta, dpt.shape)),
-              chain)
+          dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
+                                    chain)
           dst = dst.astype(dtype)
           dk_operands = (acc["dk"], dst, q_smem.at[slot])
           dq_head = kv_head * groups + g

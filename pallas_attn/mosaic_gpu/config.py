@@ -175,12 +175,6 @@ class KernelConfig:
   # dq_column_halves the warpgroups meet, while dK's wgmma runs; without it dK's wgmma is
   # awaited before dS^T is written, and dQ's before the step goes on.
   co_issue_dq: bool = False
-  # dK/dV (not head_split), without dropout: dS = P * (dP - delta) takes P rounded to the input
-  # dtype (the copy dV's wgmma reads) instead of the float32 P, so only that copy stays live
-  # while dP is made (32 registers a thread less per [64, 128] tile). dS is rounded to the input
-  # dtype for its wgmmas anyway; this adds one more rounding of the same size. (With dropout dV
-  # reads the dropped P, and dS keeps the float32 one.)
-  ds_from_rounded_p: bool = False
   # dQ (not head_split): each step's dQ += dS K wgmma (dS through one of two shared-memory tiles
   # per warpgroup) is left running into the next step, whose S (and dP) wgmmas are issued behind
   # it; the next step's first wait covers it, and only then is its K slot released. Without it
@@ -329,7 +323,10 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # head_dim 64: dQ from the dK/dV kernel, 128-row query blocks (H200, b4 s4096 h32 d64,
     # fwd+bwd: 1.09x and 1.10x the separate dQ kernel in two runs; benchmarks/NOTES.md session 5).
     # At head_dim 128 the fused kernel spills (dK, dV and the dQ part) and is 0.93-0.98x: not used.
-    (64, "dkv"): KernelConfig(block_q=128, block_kv=64, fused_dq=True),
+    # dV's, dK's and dQ's wgmmas of a step issued together (H200, fwd+bwd at N 4096 / 16384,
+    # causal and not: 1.03-1.08x the one-at-a-time kernel in three tuner calls; session 13).
+    (64, "dkv"): KernelConfig(block_q=128, block_kv=64, fused_dq=True, co_issue_dkv=True,
+                              co_issue_dq=True),
     (128, "dkv"): KernelConfig(block_q=64, block_kv=64, co_issue_dp=True, co_issue_dkv=True),
     # head_dim 256: dK and dV split by columns between the warpgroups of one key tile (H200,
     # fwd+bwd 1.33-1.41x split_dkv's two launches at N 4096 / 16384, causal and not, in one tuner
