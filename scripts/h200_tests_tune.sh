@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: the `gpu` tests selected by TEST_K over TEST_SELECT, then benchmarks/tune.py
-# (TUNE_ARGS), logs to $OUT. Needs nothing beyond the repository (no tokamax).
+# (TUNE_ARGS, then TUNE_ARGS2 if set), logs to $OUT. Needs nothing beyond the repository (no
+# tokamax).
 set -u
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}

@@ -171,9 +171,11 @@ class KernelConfig:
   # awaited once, instead of dV's awaited before dS is computed.
   co_issue_dkv: bool = False
   # dK/dV with fused_dq: the dQ wgmma is issued right behind dK's (and dV's, with co_issue_dkv),
-  # and the three are awaited once. The dS^T tile is written to shared memory, and with
+  # and they are awaited once. The dS^T tile is written to shared memory, and with
   # dq_column_halves the warpgroups meet, while dK's wgmma runs; without it dK's wgmma is
-  # awaited before dS^T is written, and dQ's before the step goes on.
+  # awaited before dS^T is written, and dQ's before the step goes on. On at head_dim 64 with
+  # co_issue_dkv (H200, fwd+bwd 1.03-1.08x; benchmarks/NOTES.md session 13); at 128 the fused
+  # kernels, even with it, are no faster than the separate dQ kernel.
   co_issue_dq: bool = False
   # dQ (not head_split): each step's dQ += dS K wgmma (dS through one of two shared-memory tiles
   # per warpgroup) is left running into the next step, whose S (and dP) wgmmas are issued behind
@@ -324,7 +326,7 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # fwd+bwd: 1.09x and 1.10x the separate dQ kernel in two runs; benchmarks/NOTES.md session 5).
     # At head_dim 128 the fused kernel spills (dK, dV and the dQ part) and is 0.93-0.98x: not used.
     # dV's, dK's and dQ's wgmmas of a step issued together (H200, fwd+bwd at N 4096 / 16384,
-    # causal and not: 1.03-1.08x the one-at-a-time kernel in three tuner calls; session 13).
+    # causal and not: 1.02-1.08x the one-at-a-time kernel in three tuner calls; session 13).
     (64, "dkv"): KernelConfig(block_q=128, block_kv=64, fused_dq=True, co_issue_dkv=True,
                               co_issue_dq=True),
     (128, "dkv"): KernelConfig(block_q=64, block_kv=64, co_issue_dp=True, co_issue_dkv=True),
