@@ -59,6 +59,14 @@ def attention_rows(rows, kind: str = "attention") -> list[dict]:
   return list(latest.values())
 
 
+def disturbed(rows, spread: float = 1.10) -> list[dict]:
+  """Measured rows whose slowest repeat took over `spread` times their fastest (a repeat the
+  device or the host was disturbed in); rows without `repeat_ms` (before session 13) are not
+  judged."""
+  return [r for r in rows if r.get("repeat_ms") and r.get("error") is None
+          and max(r["repeat_ms"]) > spread * min(r["repeat_ms"])]
+
+
 def done_keys(rows) -> frozenset:
   """Measurements that already have a result (anything but skipped): what --resume leaves out."""
   return frozenset(measurement_key(r) for r in rows

@@ -103,7 +103,7 @@ def attention_row(ctx: dict, impl: impls_lib.Impl, shape: Shape, pass_: str, dty
           "alloc_peak_bytes": None, "max_rel_err": None, "error": None, "error_kind": None,
           "compile_s": None, "lower_s": None, "cache_hit": None, "handed_over": None,
           "measure_s": None,
-          "calls_per_repeat": None, "repeats": None,
+          "calls_per_repeat": None, "repeats": None, "repeat_ms": None,
           "interpret": impl.interpret, "impl_version": impl.version,
           **masking.masking_fields(impl.name, shape), **ctx}
 
@@ -183,6 +183,7 @@ def _fill_timing(row: dict, t: timing.Timing, shape: Shape, pass_: str, itemsize
   row["tflops"] = row["flops"] / t.ms / 1e9
   row["gb_per_s"] = timing.attention_min_bytes(shape, pass_, itemsize) / t.ms / 1e6
   row["calls_per_repeat"], row["repeats"] = t.calls, len(t.repeat_ms)
+  row["repeat_ms"] = list(t.repeat_ms)  # (their spread tells a disturbed measurement)
   if ceiling_tflops:
     row["pct_of_matmul"] = 100.0 * row["tflops"] / ceiling_tflops
 

@@ -66,4 +66,10 @@ print(f"this call: {len(new)} rows, {sum(r['error'] is None for r in new)} measu
       f"{sum(r['compile_s'] for r in built):.0f} s building "
       f"({sum(r.get('lower_s') or 0 for r in built):.0f} s lowering), "
       f"{sum(r.get('measure_s') or 0 for r in built):.0f} s measuring")
+# Rows whose repeats spread by over 10% (a disturbed measurement; benchmarks/NOTES.md session 13).
+noisy = report.disturbed(new)
+print(f"repeats spread > 10%: {len(noisy)} rows")
+for r in noisy[:20]:
+  print(f"  {r['implementation']} {r['pass']} d{r['head_dim']} N{r['seq_q']} "
+        f"{'causal ' if r['causal'] else ''}ms {min(r['repeat_ms']):.3f}..{max(r['repeat_ms']):.3f}")
 EOF
