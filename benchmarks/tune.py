@@ -68,6 +68,8 @@ _TWO_WGS_REGS240 = dict(_TWO_WGS, compute_registers=240)  # FlashAttention-3's s
 # frees V a step late).
 _PLAIN_FWD = dict(overlap_qk=False, ping_pong=True, **_TWO_WGS)
 _THREE_WGS = dict(compute_warpgroups=3, ping_pong=False, compute_registers=160)
+# The fused dQ with dV's, dK's and dQ's wgmmas issued together and dP's awaited alone.
+_FUSED_CO_DKV_DQ = dict(fused_dq=True, co_issue_dp=False, co_issue_dkv=True, co_issue_dq=True)
 
 # name -> {kernel: field changes to the table's config at the shape's head_dim}. "default" first.
 # Ordered as issue #4 lists them (causal balance, forward tiles, forward overlap, dQ, dK/dV).
@@ -225,16 +227,11 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_co_issue_dq_regs240": {"dkv": dict(co_issue_dq=True, compute_registers=240)},
     # head_dim 128 (the table has the separate dQ kernel): plain fused and column halves, dP's
     # wgmma not co-issued (the fused kernel cannot hold its extra tile, session 9).
-    "dkv_fused_co_dkv_dq": {"dkv": dict(fused_dq=True, co_issue_dp=False, co_issue_dkv=True,
-                                        co_issue_dq=True)},
-    "dkv_fused_co_dkv_dq_regs240": {"dkv": dict(fused_dq=True, co_issue_dp=False,
-                                                co_issue_dkv=True, co_issue_dq=True,
-                                                compute_registers=240)},
-    "dkv_halves_co_dkv_dq": {"dkv": dict(fused_dq=True, dq_column_halves=True,
-                                         co_issue_dp=False, co_issue_dkv=True, co_issue_dq=True)},
-    "dkv_halves_co_dkv_dq_regs240": {"dkv": dict(fused_dq=True, dq_column_halves=True,
-                                                 co_issue_dp=False, co_issue_dkv=True,
-                                                 co_issue_dq=True, compute_registers=240)},
+    "dkv_fused_co_dkv_dq": {"dkv": _FUSED_CO_DKV_DQ},
+    "dkv_fused_co_dkv_dq_regs240": {"dkv": dict(_FUSED_CO_DKV_DQ, compute_registers=240)},
+    "dkv_halves_co_dkv_dq": {"dkv": dict(_FUSED_CO_DKV_DQ, dq_column_halves=True)},
+    "dkv_halves_co_dkv_dq_regs240": {"dkv": dict(_FUSED_CO_DKV_DQ, dq_column_halves=True,
+                                                 compute_registers=240)},
     "dkv_halves_co_all_regs240": {"dkv": dict(fused_dq=True, dq_column_halves=True,
                                               co_issue_dq=True, compute_registers=240)},
     # The separate dQ kernel again (where the table fuses: head_dim 64).
@@ -259,10 +256,9 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   """Why variant `name` is not measured at `shape` (None: it is): an invalid or oversized config,
   or the same configs as the default's."""
   table_dkv = config_lib.kernel_config(shape.head_dim, "dkv")
-  if VARIANTS[name].get("dkv", {}).get("fused_dq") and (table_dkv.split_dkv
-                                                        or table_dkv.head_split):
-    return f"does not apply: head_dim {shape.head_dim} splits dK and dV"
   dkv_changes = VARIANTS[name].get("dkv", {})
+  if dkv_changes.get("fused_dq") and (table_dkv.split_dkv or table_dkv.head_split):
+    return f"does not apply: head_dim {shape.head_dim} splits dK and dV"
   if dkv_changes.get("co_issue_dq") and not dkv_changes.get("fused_dq", table_dkv.fused_dq):
     return (f"does not apply: co_issue_dq is the fused dQ's option, and head_dim "
             f"{shape.head_dim}'s table has the separate dQ kernel")
@@ -272,11 +268,11 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   if (VARIANTS[name].get("dq", {}).get("dq_in_flight")
       and config_lib.kernel_config(shape.head_dim, "dq").head_split):
     return f"does not apply: dq_in_flight is the plain dQ kernel's, not head_dim {shape.head_dim}'s"
-  if VARIANTS[name].get("dkv", {}).get("split_dkv") and shape.head_dim != 256:
+  if dkv_changes.get("split_dkv") and shape.head_dim != 256:
     return f"does not apply: dK and dV in two launches is head_dim 256's, not {shape.head_dim}'s"
   if any(c.get("head_split") for c in VARIANTS[name].values()) and shape.head_dim % 128:
     return f"does not apply: head_split needs head_dim a multiple of 128, not {shape.head_dim}"
-  if VARIANTS[name].get("dkv", {}).get("dq_column_halves") and shape.head_dim < 128:
+  if dkv_changes.get("dq_column_halves") and shape.head_dim < 128:
     return f"does not apply: dQ column halves need head_dim >= 128, not {shape.head_dim}"
   try:
     cfgs = variant_configs(name, shape.head_dim)

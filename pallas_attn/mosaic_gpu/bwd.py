@@ -401,21 +401,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
                                     chain)
           dst = dst.astype(dtype)
-          dk_operands = (acc["dk"], dst, q_smem.at[slot])
+          # The accumulators this step's wgmmas add into here (dV's went in above without pairs).
+          accumulating = {"dk": (acc["dk"], dst, q_smem.at[slot])}
+          if pairs:
+            accumulating = {"dv": (acc["dv"], *dv_operands), **accumulating}
           dq_head = kv_head * groups + g
           if dq_acc_ref is not None and cfg.co_issue_dq:
-            names = ("dv", "dk") if pairs else ("dk",)
-            accumulating = ((acc["dv"], *dv_operands), dk_operands) if pairs else (dk_operands,)
             accs, part = common.matmul_accs_then_product(
-                accumulating, lambda: dq_operands(dst, slot), (block_q, dq_width), stage)
-            acc.update(zip(names, accs))
+                tuple(accumulating.values()), lambda: dq_operands(dst, slot),
+                (block_q, dq_width), stage)
+            acc.update(zip(accumulating, accs))
             reduce_dq(part, dq_head, qi)
           else:
             if pairs:
-              acc["dv"], acc["dk"] = common.matmul_acc_pair((acc["dv"], *dv_operands),
-                                                            dk_operands, stage)
+              acc["dv"], acc["dk"] = common.matmul_acc_pair(*accumulating.values(), stage)
             else:
-              acc["dk"] = common.matmul_acc(*dk_operands, stage)
+              acc["dk"] = common.matmul_acc(*accumulating["dk"], stage)
             if dq_acc_ref is not None:
               reduce_dq(common.matmul_sum(dq_operands(dst, slot), (block_q, dq_width)),
                         dq_head, qi)

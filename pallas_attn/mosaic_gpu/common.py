@@ -197,7 +197,8 @@ def matmul_accs_then_product(accumulating, between, shape, staging=None):
       for lhs, rhs in between():
         plgpu.wgmma(product_ref, lhs, rhs)
 
-    # (run_state's end awaits every wgmma in flight, the product's too.)
+    # (run_state's end awaits the wgmmas in flight; the product is read after an explicit
+    # wait, as in `matmul_sum`, so that its read does not rest on that.)
     accs = pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc, _, _ in accumulating))
     plgpu.wgmma_wait(0)
     return accs, product_ref[...]
