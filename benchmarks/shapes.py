@@ -171,6 +171,9 @@ PRESETS = {
     # head_dim 128 at N = 512 / 1024 and head_dim 64 at N = 1024, causal and not.
     "tune_short": lambda: (fa_sweep(seqs=(512, 1024), head_dims=(128,))
                            + fa_sweep(seqs=(1024,), head_dims=(64,))),
+    # head_dim 64's short rows (N = 512 / 1024 / 2048, causal and not), where the fixed passes
+    # around the kernels weigh most.
+    "d64_short": lambda: fa_sweep(seqs=(512, 1024, 2048), head_dims=(64,)),
     # benchmarks/tune.py's CPU smoke test: one causal shape, one head.
     "tune_smoke": lambda: [Shape(1, 96, 96, 1, 1, 64, True, "cpu")],
     "none": lambda: [],

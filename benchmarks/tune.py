@@ -237,6 +237,19 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # The separate dQ kernel again (where the table fuses: head_dim 64).
     "dkv_separate_dq": {"dkv": dict(fused_dq=False, dq_column_halves=False, co_issue_dq=False,
                                     block_q=64)},
+    # n. Session 14. The separate kernels with dP's wgmma co-issued (head_dim 128's table), at
+    # head_dim 64's short rows, where the fused dQ's float32 passes (zero, then scale and cast:
+    # 320 MiB of traffic whatever N is) are ~10% of the time: what the table runs there since
+    # (`separate_dq_max_blocks_skewed`), and at every length with this variant.
+    "separate_dq_co_dp": {"dq": dict(co_issue_dp=True),
+                          "dkv": dict(fused_dq=False, dq_column_halves=False, co_issue_dq=False,
+                                      block_q=64, co_issue_dp=True)},
+    # head_dim 64's fused kernel at every length (the table takes the separate kernels for
+    # causal rows of a few blocks since session 14: `separate_dq_max_blocks_skewed`).
+    "dkv_always_fused": {"dkv": dict(separate_dq_max_blocks_skewed=0)},
+    # head_dim 128's dQ kernel over 128-key blocks (wgmma N 128 for S and dP: a sixth fewer
+    # shared-memory bytes per FLOP than N 64, whose operand reads alone fill the 128 B a clock).
+    "dq_kv128_regs240": {"dq": dict(block_kv=128, compute_registers=240)},
 }
 
 _DEFAULT = "default"

@@ -140,6 +140,10 @@ _VARIANTS = {
     "dq_column_halves_co_issue_dq": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True,
                                                co_issue_dkv=True, co_issue_dq=True,
                                                compute_registers=240)},
+    # The table's head_dim 64 dK/dV/dQ kernel where the table itself takes the separate dQ
+    # kernel (causal rows of a few blocks: `separate_dq_max_blocks_skewed`).
+    "table_d64_always_fused": {"dkv": dataclasses.replace(
+        config_lib.DEFAULTS[(64, "dkv")], separate_dq_max_blocks_skewed=0)},
     # dQ's wgmma left running into the next step (dS through two shared-memory tiles).
     # (The dK/dV kernel named too: at head_dim 64 the table's makes dQ itself, and no dQ kernel
     # would run.)
@@ -229,6 +233,8 @@ _VARIANT_CASES = [
     ("fused_dq_co_issue_dkv_dq", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("dq_column_halves_co_issue_dq", _CAUSAL_203.replace(head_dim=128)),
     ("dq_column_halves_co_issue_dq", cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
+    ("table_d64_always_fused", _CAUSAL_203),
+    ("table_d64_always_fused", cases.get_case("gqa_causal_lengths_113x203")),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
     ("dq_in_flight", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
     ("dq_in_flight_3stages", _CAUSAL_203),  # up to 4 key blocks a CTA, 3 slots
@@ -429,6 +435,52 @@ def test_register_split_is_checked():
 def test_co_issue_dq_needs_the_fused_dq():
   with pytest.raises(ValueError, match="co_issue_dq.*fused_dq=True"):
     _K(64, 64, co_issue_dq=True)
+
+
+@pytest.mark.parametrize("head_dim,is_causal,window,seq,fused", [
+    (64, True, None, 1024, False),  # key tiles visit 1 to 8 query blocks: 4.5 on average
+    (64, True, None, 2048, False),  # 8.5
+    (64, True, None, 4096, True),  # 16.5
+    (64, False, None, 512, True),  # 4 each: short, but not skewed
+    (64, True, (256, 0), 4096, True),  # a window: 3 each but the last two tiles'
+    (128, True, None, 1024, False),  # the table's dK/dV does not fuse at 128
+])
+def test_backward_fuses_dq_by_the_key_tiles_visits(head_dim, is_causal, window, seq, fused):
+  """`separate_dq_max_blocks_skewed`: causal rows of a few blocks take the separate dQ kernel,
+  and the dK/dV config unfused in the dQ kernel's tiles, with its dP co-issue."""
+  spec = pallas_attn.MaskSpec(is_causal=is_causal, local_window=window)
+  static = ops._static(head_dim, 1.0, spec, False)
+  dq_cfg, dkv_cfg = ops._backward_configs(static, seq, seq)
+  assert dq_cfg == static.dq_cfg
+  assert dkv_cfg.fused_dq == fused
+  if fused or not static.dkv_cfg.fused_dq:
+    assert dkv_cfg == static.dkv_cfg
+  else:
+    assert (dkv_cfg.block_q, dkv_cfg.block_kv, dkv_cfg.co_issue_dp) == (
+        dq_cfg.block_q, dq_cfg.block_kv, dq_cfg.co_issue_dp)
+    assert not (dkv_cfg.co_issue_dq or dkv_cfg.dq_column_halves)
+    assert dkv_cfg.co_issue_dkv == static.dkv_cfg.co_issue_dkv
+
+
+@pytest.mark.parametrize("is_causal,kernels", [(True, 3), (False, 2)])
+def test_short_causal_rows_lower_the_separate_dq_kernel(is_causal, kernels):
+  """Through the table at head_dim 64, 300 rows: causal, forward, dQ and dK/dV kernels; not
+  causal, the forward and the dK/dV kernel that makes dQ."""
+  q = jax.ShapeDtypeStruct((1, 300, 2, 64), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out, _ = ops.attention(q, k, v, None, None, scale=0.1,
+                           spec=pallas_attn.MaskSpec(is_causal=is_causal))
+    return out.astype(jnp.float32).sum()
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
+      lowering_platforms=("cuda",))
+  assert lowered.as_text().count("mosaic_gpu_v2") == kernels
+
+
+def test_separate_dq_max_blocks_is_checked():
+  with pytest.raises(ValueError, match="separate_dq_max_blocks_skewed"):
+    _K(128, 64, fused_dq=True, separate_dq_max_blocks_skewed=-1)
 
 
 def test_dq_in_flight_needs_two_slots():
@@ -751,6 +803,8 @@ _GPU_D64_BACKWARD_LAYOUTS = {
     "d64_fused_co_issue_dq": _VARIANTS["fused_dq_co_issue_dq"]["dkv"],
     "d64_fused_co_issue_dkv_dq_regs240": _K(128, 64, fused_dq=True, co_issue_dkv=True,
                                             co_issue_dq=True, compute_registers=240),
+    # The table's fused kernel on the causal rows the table gives the separate kernels.
+    "d64_table_always_fused": _VARIANTS["table_d64_always_fused"]["dkv"],
 }
 
 

@@ -25,6 +25,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -538,6 +539,17 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, tab
       grid_names=grid_names, what=f"the dK/dV kernel with {cfg}", reduces=False,
       interpret=interpret)(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table,
                            dq_acc)
+
+
+def key_tile_blocks(spec: mask_lib.MaskSpec, q_len: int, kv_len: int,
+                    cfg: config_lib.KernelConfig) -> list[int]:
+  """Query blocks each key tile of the dK/dV kernel's grid visits at full lengths (the
+  positional mask alone): what `config.backward_configs` decides by."""
+  keys = cfg.block_kv * (1 if cfg.head_split else _WGS)
+  with jax.ensure_compile_time_eval():  # (called while the backward is traced)
+    lo, hi = mask_lib.q_block_range(spec, np.arange(kv_len // keys) * keys, keys, cfg.block_q,
+                                    q_len // cfg.block_q)
+  return [int(n) for n in np.broadcast_to(np.asarray(hi) - np.asarray(lo), (kv_len // keys,))]
 
 
 def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool,

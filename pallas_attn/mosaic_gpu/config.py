@@ -189,17 +189,33 @@ class KernelConfig:
   # 64. A multiple of 8 (whole registers of the WGMMA layout), at most block_kv; 0: every exp2 on
   # the SFU. H200 (session 11): 0.88-0.99x at d64 and d128, slower with every column moved; off.
   exp2_fma_cols: int = 0
+  # dK/dV with fused_dq: where its key tiles visit skewed counts of query blocks (causal)
+  # averaging at most this many, the backward runs the separate dQ kernel instead, with this
+  # dK/dV config unfused (`backward_configs`). Such rows are short, and the fused dQ's passes
+  # around its kernel (the float32 dQ zeroed, then scaled and cast: 10 bytes a dQ element
+  # whatever the length) and its key tiles' few steps weigh more than the two matmuls a tile
+  # pair it saves. H200, head_dim 64, causal N 512 / 1024 / 2048 (2.5 / 4.5 / 8.5 blocks on
+  # average): the separate kernels 1.17 / 1.11 / 1.03x the fused one; not causal 0.89-0.99x
+  # (benchmarks/NOTES.md session 14). 0: always fused. (Without fused_dq: nothing.)
+  separate_dq_max_blocks_skewed: int = 0
 
   def runs_persistent(self, tile_blocks) -> bool:
     """Whether the forward takes the persistent grid, its query tiles visiting `tile_blocks`
     key blocks each (a sequence of ints)."""
     if self.persistent:
       return True
-    if not len(tile_blocks):
+    mean, skewed = _mean_and_skew(tile_blocks)
+    if mean is None:
       return False
-    mean = sum(tile_blocks) / len(tile_blocks)
-    skewed = max(tile_blocks) > 1.25 * mean
     return mean <= (self.persistent_max_blocks_skewed if skewed else self.persistent_max_blocks)
+
+  def fuses_dq(self, key_tile_blocks) -> bool:
+    """Whether the backward makes dQ in this dK/dV config's kernel, its key tiles visiting
+    `key_tile_blocks` query blocks each (`separate_dq_max_blocks_skewed`)."""
+    if not self.fused_dq:
+      return False
+    mean, skewed = _mean_and_skew(key_tile_blocks)
+    return not (skewed and mean <= self.separate_dq_max_blocks_skewed)
 
   @property
   def producer_registers(self) -> int:
@@ -245,6 +261,9 @@ class KernelConfig:
     if self.exp2_fma_cols % 8 or not 0 <= self.exp2_fma_cols <= self.block_kv:
       raise ValueError(f"exp2_fma_cols must be a multiple of 8 from 0 to block_kv "
                        f"({self.block_kv}), got {self.exp2_fma_cols}")
+    if self.separate_dq_max_blocks_skewed < 0:
+      raise ValueError(f"separate_dq_max_blocks_skewed must be >= 0, got "
+                       f"{self.separate_dq_max_blocks_skewed}")
     if self.co_issue_dq and not self.fused_dq:
       raise ValueError("co_issue_dq issues the fused dQ's wgmma: it needs fused_dq=True")
     if self.dq_column_halves and not self.fused_dq:
@@ -274,6 +293,29 @@ class KernelConfig:
     sizes = {"heads": heads, "tiles": tiles, "batch": batch}
     names = tuple(tile_axis if axis == "tiles" else axis for axis in self.grid_order)
     return tuple(sizes[axis] for axis in self.grid_order), names
+
+
+def _mean_and_skew(tile_blocks) -> tuple[float | None, bool]:
+  """(mean, skewed) of the blocks each tile of a grid visits (mean None: no tiles); skewed:
+  the largest is over 1.25x the mean (a causal mask; not a window, nor no mask)."""
+  if not len(tile_blocks):
+    return None, False
+  mean = sum(tile_blocks) / len(tile_blocks)
+  return mean, max(tile_blocks) > 1.25 * mean
+
+
+def backward_configs(dq_cfg: KernelConfig, dkv_cfg: KernelConfig,
+                     key_tile_blocks) -> tuple[KernelConfig, KernelConfig]:
+  """(dQ config, dK/dV config) of the backward, the key tiles of dkv_cfg visiting
+  `key_tile_blocks` query blocks each: the two given, or where dkv_cfg is fused but
+  `fuses_dq` says not here, dq_cfg and dkv_cfg unfused in dq_cfg's tiles and with its dP
+  co-issue (the two kernels then share one block table)."""
+  if not dkv_cfg.fused_dq or dkv_cfg.fuses_dq(key_tile_blocks):
+    return dq_cfg, dkv_cfg
+  return dq_cfg, dataclasses.replace(
+      dkv_cfg, fused_dq=False, co_issue_dq=False, dq_column_halves=False,
+      separate_dq_max_blocks_skewed=0, block_q=dq_cfg.block_q, block_kv=dq_cfg.block_kv,
+      co_issue_dp=dq_cfg.co_issue_dp)
 
 
 # SMs of an H100 / H200 SXM: the CTAs of a persistent forward (`KernelConfig.persistent`) when no
@@ -313,7 +355,10 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
                                **_SHORT_ROWS_PERSISTENT),
     (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True, overlap_qk=True,
                                ping_pong=False, **_SHORT_ROWS_PERSISTENT),
-    (64, "dq"): KernelConfig(block_q=64, block_kv=64),
+    # head_dim 64's dQ kernel runs only where its dK/dV does not fuse dQ (causal rows of a few
+    # blocks; see below): dP's wgmma co-issued in both kernels, as at 128 (H200, fwd+bwd at N
+    # 512-2048 causal: 1.02-1.05x the separate kernels without it; NOTES session 14).
+    (64, "dq"): KernelConfig(block_q=64, block_kv=64, co_issue_dp=True),
     # head_dim 128: dP's wgmma issued behind S's (P made under it), and in dK/dV dV's and dK's
     # wgmmas issued together (H200, fwd+bwd 1.10-1.12x non-causal, 1.02-1.03x causal at N 4096 /
     # 16384 in one tuner run; the dP part alone 1.03-1.05x twice; benchmarks/NOTES.md session 9).
@@ -327,8 +372,10 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # At head_dim 128 the fused kernel spills (dK, dV and the dQ part) and is 0.93-0.98x: not used.
     # dV's, dK's and dQ's wgmmas of a step issued together (H200, fwd+bwd at N 4096 / 16384,
     # causal and not: 1.02-1.08x the one-at-a-time kernel in three tuner calls; session 13).
+    # Causal rows whose key tiles visit at most 12 query blocks on average (N <= 2048) take the
+    # separate dQ kernel (H200: 1.17 / 1.11 / 1.03x at N 512 / 1024 / 2048; session 14).
     (64, "dkv"): KernelConfig(block_q=128, block_kv=64, fused_dq=True, co_issue_dkv=True,
-                              co_issue_dq=True),
+                              co_issue_dq=True, separate_dq_max_blocks_skewed=12),
     (128, "dkv"): KernelConfig(block_q=64, block_kv=64, co_issue_dp=True, co_issue_dkv=True),
     # head_dim 256: dK and dV split by columns between the warpgroups of one key tile (H200,
     # fwd+bwd 1.33-1.41x split_dkv's two launches at N 4096 / 16384, causal and not, in one tuner

@@ -259,32 +259,32 @@ def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_le
   visibility = functools.partial(_visibility, static, q_lengths=q_lengths,
                                  kv_lengths=kv_lengths, q_len=q.shape[1], kv_len=k.shape[1],
                                  mod_arrays=mod_arrays, element_blocks=element_blocks)
-  fused_dq = static.dkv_cfg.fused_dq  # (then no dQ kernel, no dQ table)
-  dq_visibility = None if fused_dq else visibility(static.dq_cfg)
-  same_tiles = (static.dkv_cfg.block_q, static.dkv_cfg.block_kv) == (static.dq_cfg.block_q,
-                                                                     static.dq_cfg.block_kv)
+  dq_cfg, dkv_cfg = _backward_configs(static, q.shape[1], k.shape[1])
+  fused_dq = dkv_cfg.fused_dq  # (then no dQ kernel, no dQ table)
+  dq_visibility = None if fused_dq else visibility(dq_cfg)
+  same_tiles = (dkv_cfg.block_q, dkv_cfg.block_kv) == (dq_cfg.block_q, dq_cfg.block_kv)
   dkv_visibility = (dq_visibility if same_tiles and not fused_dq
-                    else visibility(static.dkv_cfg))
+                    else visibility(dkv_cfg))
   if dkv_visibility is not None:  # one list per kv head, for its whole query-head group
     dkv_visibility = block_mask.group_union(dkv_visibility, q.shape[2] // k.shape[2])
   common = dict(scale=static.scale, spec=static.spec, interpret=static.interpret,
                 mods=static.mods, mod_arrays=padded_arrays)
   dkv_table = _table(dkv_visibility, functools.partial(
-      block_table.key_major, rows_per_cta=1 if static.dkv_cfg.head_split else _WGS))
+      block_table.key_major, rows_per_cta=1 if dkv_cfg.head_split else _WGS))
   if fused_dq:  # one launch: dK/dV with dQ added in
     dq, dk, dv = bwd.dqkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
-                          cfg=static.dkv_cfg, table=dkv_table, **common)
+                          cfg=dkv_cfg, table=dkv_table, **common)
   else:
-    dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=static.dq_cfg,
+    dq = bwd.dq(q, k, v, d_out, lse, delta, kv_lengths, cfg=dq_cfg,
                 table=_table(dq_visibility, functools.partial(
                     block_table.query_major,
-                    rows_per_cta=1 if static.dq_cfg.head_split else _WGS)), **common)
+                    rows_per_cta=1 if dq_cfg.head_split else _WGS)), **common)
     if static.interpret:
       # The interpreter keeps one global model of shared memory and runs each warpgroup as a
       # thread that blocks on barriers; two kernels interpreted at once (XLA may run the
       # independent dQ and dK/dV calls concurrently) can deadlock. Order them.
       dq, q = jax.lax.optimization_barrier((dq, q))
-    dk, dv = bwd.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, cfg=static.dkv_cfg,
+    dk, dv = bwd.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, cfg=dkv_cfg,
                      table=dkv_table, **common)
   grads = (dq[:, :q_len], dk[:, :kv_len], dv[:, :kv_len])
   if not with_dbias:
@@ -298,6 +298,19 @@ def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_le
   # Back to the bias's own extent: cut the padding of full q / kv axes.
   return grads + (d_bias[:, :, :q_len if d_bias.shape[2] > 1 else 1,
                          :kv_len if d_bias.shape[3] > 1 else 1],)
+
+
+def _backward_configs(static: _Static, q_len: int, kv_len: int):
+  """The (dQ, dK/dV) configs of a backward over the padded lengths: the static ones, or their
+  separate-dQ form for rows of a few skewed blocks (`config.backward_configs`) where its tiles
+  divide the lengths (padded for the static ones)."""
+  dq_cfg, dkv_cfg = config_lib.backward_configs(
+      static.dq_cfg, static.dkv_cfg, bwd.key_tile_blocks(static.spec, q_len, kv_len,
+                                                         static.dkv_cfg))
+  if q_len % math.lcm(_WGS * dq_cfg.block_q, dkv_cfg.block_q) or kv_len % math.lcm(
+      dq_cfg.block_kv, _WGS * dkv_cfg.block_kv):
+    return static.dq_cfg, static.dkv_cfg
+  return dq_cfg, dkv_cfg
 
 
 def _pair_shapes(mod_arrays):
