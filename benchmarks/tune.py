@@ -250,6 +250,10 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # head_dim 128's dQ kernel over 128-key blocks (wgmma N 128 for S and dP: a sixth fewer
     # shared-memory bytes per FLOP than N 64, whose operand reads alone fill the 128 B a clock).
     "dq_kv128_regs240": {"dq": dict(block_kv=128, compute_registers=240)},
+    # The dQ kernel's q and dO as register A operands (S's and dP's wgmmas read only K and V from
+    # shared memory: a third fewer of its bytes), 64 registers more at head_dim 128.
+    "dq_lhs_in_registers": {"dq": dict(dq_lhs_in_registers=True)},
+    "dq_lhs_in_registers_regs240": {"dq": dict(dq_lhs_in_registers=True, compute_registers=240)},
 }
 
 _DEFAULT = "default"

@@ -144,6 +144,10 @@ _VARIANTS = {
     # kernel (causal rows of a few blocks: `separate_dq_max_blocks_skewed`).
     "table_d64_always_fused": {"dkv": dataclasses.replace(
         config_lib.DEFAULTS[(64, "dkv")], separate_dq_max_blocks_skewed=0)},
+    # q and dO as the register A operands of S's and dP's wgmmas (interpreted: from shared
+    # memory, the same products), with dQ's wgmma left running (dS through shared memory).
+    "dq_lhs_in_registers": {"dq": _K(64, 64, co_issue_dp=True, dq_lhs_in_registers=True,
+                                     dq_in_flight=True), "dkv": _K(64, 64)},
     # dQ's wgmma left running into the next step (dS through two shared-memory tiles).
     # (The dK/dV kernel named too: at head_dim 64 the table's makes dQ itself, and no dQ kernel
     # would run.)
@@ -233,6 +237,7 @@ _VARIANT_CASES = [
     ("fused_dq_co_issue_dkv_dq", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("dq_column_halves_co_issue_dq", _CAUSAL_203.replace(head_dim=128)),
     ("dq_column_halves_co_issue_dq", cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
+    ("dq_lhs_in_registers", cases.get_case("gqa_causal_lengths_113x203")),
     ("table_d64_always_fused", _CAUSAL_203),
     ("table_d64_always_fused", cases.get_case("gqa_causal_lengths_113x203")),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
@@ -420,6 +425,10 @@ _LOWERED_VARIANTS = [
                      compute_registers=240)}),
     (128, {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True, co_issue_dp=True,
                      co_issue_dkv=True, co_issue_dq=True)}),
+    (128, {"dq": _K(64, 64, co_issue_dp=True, dq_lhs_in_registers=True)}),
+    (128, {"dq": _K(64, 64, dq_lhs_in_registers=True, dq_in_flight=True,
+                    compute_registers=240)}),
+    (64, {"dq": _K(64, 64, co_issue_dp=True, dq_lhs_in_registers=True), "dkv": _K(64, 64)}),
 ]
 
 
@@ -476,6 +485,11 @@ def test_short_causal_rows_lower_the_separate_dq_kernel(is_causal, kernels):
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
       lowering_platforms=("cuda",))
   assert lowered.as_text().count("mosaic_gpu_v2") == kernels
+
+
+def test_dq_lhs_in_registers_is_the_plain_dq_kernels():
+  with pytest.raises(ValueError, match="dq_lhs_in_registers.*head_split"):
+    _K(64, 64, head_split=True, dq_lhs_in_registers=True)
 
 
 def test_separate_dq_max_blocks_is_checked():
@@ -743,6 +757,10 @@ _GPU_VARIANTS = {
                                          grid_order=("heads", "batch", "tiles"),
                                          persistent=True)},
     "persistent_pairs": _VARIANTS["persistent_pairs"],
+    # The table's dQ kernel with q and dO in registers, and with 240 registers.
+    "dq_lhs_in_registers": {"dq": _K(64, 64, co_issue_dp=True, dq_lhs_in_registers=True)},
+    "dq_lhs_in_registers_regs240": {"dq": _K(64, 64, co_issue_dp=True, dq_lhs_in_registers=True,
+                                             compute_registers=240)},
 }
 
 

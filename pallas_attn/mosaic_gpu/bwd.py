@@ -49,7 +49,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
                q_smem, do_smem, lse_smem, delta_smem, k_smem, v_smem, ds_smem,
                q_full, k_full, v_full, k_free, v_free, *,
                spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-               num_q_tiles: int, num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods):
+               num_q_tiles: int, num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods,
+               interpret: bool):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -102,6 +103,11 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       plgpu.barrier_wait(q_full.at[wg * 4 + i])
     lse2 = plgpu.load(lse_smem.at[wg], (), layout=common.WGMMA_ROW) * common.LOG2E
     delta = plgpu.load(delta_smem.at[wg], (), layout=common.WGMMA_ROW)
+    # The A operands of S's and dP's wgmmas: q and dO from registers (`dq_lhs_in_registers`),
+    # or from shared memory.
+    q_lhs, do_lhs = q_smem.at[wg], do_smem.at[wg]
+    if cfg.dq_lhs_in_registers and not interpret:
+      q_lhs, do_lhs = (plgpu.load(ref, (), layout=common.WGMMA) for ref in (q_lhs, do_lhs))
 
     def release(slot, carry):
       common.release_kv(slot, k_full, v_full, k_free, v_free)
@@ -121,13 +127,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       plgpu.barrier_wait(k_full.at[slot])
       if cfg.co_issue_dp:
         plgpu.barrier_wait(v_full.at[slot])
-        (p, chain), dp = common.matmul_pair((q_smem.at[wg], k_smem.at[slot].T, tile),
-                                            (do_smem.at[wg], v_smem.at[slot].T, tile),
+        (p, chain), dp = common.matmul_pair((q_lhs, k_smem.at[slot].T, tile),
+                                            (do_lhs, v_smem.at[slot].T, tile),
                                             probabilities)
       else:
-        p, chain = probabilities(common.matmul(q_smem.at[wg], k_smem.at[slot].T, tile))
+        p, chain = probabilities(common.matmul(q_lhs, k_smem.at[slot].T, tile))
         plgpu.barrier_wait(v_full.at[slot])
-        dp = common.matmul(do_smem.at[wg], v_smem.at[slot].T, tile)
+        dp = common.matmul(do_lhs, v_smem.at[slot].T, tile)
       plgpu.barrier_arrive(v_free.at[slot])
       dp = scores.dropped(dp, scores.dropout_keep(dp, cols))  # dP of the dropped weights
       ds = mods_lib.logit_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), chain)
@@ -217,7 +223,7 @@ def dq(q, k, v, d_out, lse, delta, kv_lengths, *, scale: float, spec: mask_lib.M
   num_q_tiles = q_len // (_WGS * cfg.block_q)
   kernel = functools.partial(_dq_kernel, spec=spec, scale=scale, cfg=cfg, num_q_tiles=num_q_tiles,
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
-                             mods=mods)
+                             mods=mods, interpret=interpret)
   grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
   return common.warp_specialized(
       kernel, lambda interp: dq_scratch_types(cfg, head_dim, q.dtype, interp),

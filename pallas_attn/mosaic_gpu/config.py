@@ -183,6 +183,15 @@ class KernelConfig:
   # the warpgroup waits for dQ's wgmma before it issues the next S. Needs stages >= 2. H200,
   # d128 fwd+bwd: 0.91-0.96x (benchmarks/NOTES.md session 10); off.
   dq_in_flight: bool = False
+  # dQ (not head_split): the warpgroup's q and dO tiles, read once for all its key blocks, are
+  # loaded into registers and are the A operands of S's and dP's wgmmas, which then read only
+  # K and V from shared memory. Both read A and B from shared memory otherwise: at wgmma N 64
+  # (block_kv 64) those operand reads alone take all of shared memory's 128 B a clock at the
+  # tensor cores' rate (benchmarks/NOTES.md session 14). Costs head_dim / 2 registers a thread
+  # (q and dO in bf16: 64 at head_dim 128). The interpreter runs the same products from shared
+  # memory (it has no register operands). H200, head_dim 128 fwd+bwd: 1.00-1.01x, no spills
+  # (those bytes are not what bounds the kernel; benchmarks/NOTES.md session 14); off.
+  dq_lhs_in_registers: bool = False
   # Forward only: the last `exp2_fma_cols` columns of each [block_q, block_kv] score tile get
   # their exp2 from a polynomial on the FMA pipe (`exp2.exp2_fma`) instead of the SFU
   # (FlashAttention-4's trick), meant to relieve the SFU's 16 exponentials a clock at head_dim
@@ -252,6 +261,9 @@ class KernelConfig:
     if self.dp_ahead and not (self.head_split and self.stages >= 2):
       raise ValueError(f"dp_ahead is a head_split option and needs stages >= 2, got "
                        f"head_split={self.head_split}, stages={self.stages}")
+    if self.dq_lhs_in_registers and self.head_split:
+      raise ValueError("dq_lhs_in_registers is a layout of the plain dQ kernel, not of "
+                       "head_split")
     if self.dq_in_flight and self.head_split:
       raise ValueError("dq_in_flight is a layout of the plain dQ kernel, not of head_split")
     if self.dq_in_flight and self.stages < 2:
