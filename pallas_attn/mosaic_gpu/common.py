@@ -113,8 +113,7 @@ def compiler_params(reduction_scratch: bool = True):
 def matmul(lhs, rhs, shape, while_running=None) -> jax.Array:
   """lhs @ rhs into a fresh float32 [M, N] wgmma accumulator; lhs is a shared-memory ref (or,
   compiled, a register array in the WGMMA layout), rhs a shared-memory ref (possibly
-  transposed). `while_running` runs after the wgmma is issued and
-  before it is awaited."""
+  transposed). `while_running` runs after the wgmma is issued and before it is awaited."""
   return matmul_sum([(lhs, rhs)], shape, while_running)
 
 
