@@ -282,9 +282,11 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   if (any(c.get("dp_ahead") for c in VARIANTS[name].values())
       and not config_lib.kernel_config(shape.head_dim, "dq").head_split):
     return f"does not apply: dp_ahead is a head_split option (head_dim 256), not {shape.head_dim}"
-  if (VARIANTS[name].get("dq", {}).get("dq_in_flight")
-      and config_lib.kernel_config(shape.head_dim, "dq").head_split):
-    return f"does not apply: dq_in_flight is the plain dQ kernel's, not head_dim {shape.head_dim}'s"
+  plain_dq_options = [option for option in ("dq_in_flight", "dq_lhs_in_registers")
+                      if VARIANTS[name].get("dq", {}).get(option)]
+  if plain_dq_options and config_lib.kernel_config(shape.head_dim, "dq").head_split:
+    return (f"does not apply: {plain_dq_options[0]} is the plain dQ kernel's, not head_dim "
+            f"{shape.head_dim}'s")
   if dkv_changes.get("split_dkv") and shape.head_dim != 256:
     return f"does not apply: dK and dV in two launches is head_dim 256's, not {shape.head_dim}'s"
   if any(c.get("head_split") for c in VARIANTS[name].values()) and shape.head_dim % 128:
