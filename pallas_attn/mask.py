@@ -26,6 +26,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 CausalAlignment = Literal["top_left", "bottom_right"]
 CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
@@ -190,6 +191,16 @@ def q_full_range(spec: MaskSpec, kv_start, block_kv: int, block_q: int, lo, hi):
   no positional mask (key lengths are the caller's business: they concern the key tile itself)."""
   return _full_range(kv_start, block_kv, block_q, lo, hi, spec.reach_ahead, spec.reach_back,
                      None)
+
+
+def blocks_visited(block_range, spec: MaskSpec, num_tiles: int, tile: int, other_block: int,
+                   num_other_blocks: int) -> list[int]:
+  """Blocks of the other axis each of `num_tiles` tiles of `tile` positions visits at full
+  lengths (the positional mask alone), as Python ints: `block_range` is `kv_block_range` for
+  query tiles, `q_block_range` for key tiles. (Callable while a caller is traced.)"""
+  with jax.ensure_compile_time_eval():
+    lo, hi = block_range(spec, np.arange(num_tiles) * tile, tile, other_block, num_other_blocks)
+  return [int(n) for n in np.broadcast_to(np.asarray(hi) - np.asarray(lo), (num_tiles,))]
 
 
 def round_up(x: int, multiple: int) -> int:

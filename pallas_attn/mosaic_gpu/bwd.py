@@ -25,7 +25,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -552,10 +551,8 @@ def key_tile_blocks(spec: mask_lib.MaskSpec, q_len: int, kv_len: int,
   """Query blocks each key tile of the dK/dV kernel's grid visits at full lengths (the
   positional mask alone): what `config.backward_configs` decides by."""
   keys = cfg.block_kv * (1 if cfg.head_split else _WGS)
-  with jax.ensure_compile_time_eval():  # (called while the backward is traced)
-    lo, hi = mask_lib.q_block_range(spec, np.arange(kv_len // keys) * keys, keys, cfg.block_q,
-                                    q_len // cfg.block_q)
-  return [int(n) for n in np.broadcast_to(np.asarray(hi) - np.asarray(lo), (kv_len // keys,))]
+  return mask_lib.blocks_visited(mask_lib.q_block_range, spec, kv_len // keys, keys,
+                                 cfg.block_q, q_len // cfg.block_q)
 
 
 def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool,

@@ -46,7 +46,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
@@ -592,11 +591,8 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
 def _tile_blocks(spec: mask_lib.MaskSpec, num_q_tiles: int, cfg: config_lib.KernelConfig,
                  kv_len: int) -> list[int]:
   """Key blocks each query tile visits at full lengths (the positional mask alone)."""
-  rows = cfg.rows_per_cta
-  with jax.ensure_compile_time_eval():  # (called while the kernel's caller is traced)
-    lo, hi = mask_lib.kv_block_range(spec, np.arange(num_q_tiles) * rows, rows, cfg.block_kv,
-                                     kv_len // cfg.block_kv)
-  return [int(n) for n in np.broadcast_to(np.asarray(hi) - np.asarray(lo), (num_q_tiles,))]
+  return mask_lib.blocks_visited(mask_lib.kv_block_range, spec, num_q_tiles, cfg.rows_per_cta,
+                                 cfg.block_kv, kv_len // cfg.block_kv)
 
 
 def _separate_output(cfg: config_lib.KernelConfig, head_dim: int, dtype) -> bool:
