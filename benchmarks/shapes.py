@@ -148,6 +148,8 @@ PRESETS = {
     "fa_d64": lambda: fa_sweep(head_dims=(64,)),
     # The four shapes issue #3's closing table quotes (head_dim 128, N = 4096 / 16384).
     "d128_anchors": lambda: fa_sweep(seqs=(4096, 16384), head_dims=(128,)),
+    # head_dim 128 at the FlashAttention sweep's other lengths (the anchors' complement).
+    "d128_rest": lambda: fa_sweep(seqs=(512, 1024, 2048, 8192), head_dims=(128,)),
     "long": long_context,
     "gqa": gqa,
     "decode": decode,

@@ -68,8 +68,18 @@ _TWO_WGS_REGS240 = dict(_TWO_WGS, compute_registers=240)  # FlashAttention-3's s
 # frees V a step late).
 _PLAIN_FWD = dict(overlap_qk=False, ping_pong=True, **_TWO_WGS)
 _THREE_WGS = dict(compute_warpgroups=3, ping_pong=False, compute_registers=160)
+
+
+def _from_unfused(**changes) -> dict:
+  """dK/dV changes from the unfused kernel at 232 registers (head_dim 128's table before session
+  15), whatever the table fuses now: the dQ-in-dK/dV layouts are named in full."""
+  return {**config_lib.UNFUSED_DQ,
+          "compute_registers": config_lib.KernelConfig.compute_registers, **changes}
+
+
 # The fused dQ with dV's, dK's and dQ's wgmmas issued together and dP's awaited alone.
-_FUSED_CO_DKV_DQ = dict(fused_dq=True, co_issue_dp=False, co_issue_dkv=True, co_issue_dq=True)
+_FUSED_CO_DKV_DQ = _from_unfused(fused_dq=True, co_issue_dp=False, co_issue_dkv=True,
+                                 co_issue_dq=True)
 
 # name -> {kernel: field changes to the table's config at the shape's head_dim}. "default" first.
 # Ordered as issue #4 lists them (causal balance, forward tiles, forward overlap, dQ, dK/dV).
@@ -156,46 +166,46 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dq_3st": {"dq": dict(stages=3)},
     "dq_2st": {"dq": dict(stages=2)},
     # d. dK/dV tiles.
-    "dkv_q128": {"dkv": dict(block_q=128)},
-    "dkv_q128_1st": {"dkv": dict(block_q=128, stages=1)},
+    "dkv_q128": {"dkv": _from_unfused(block_q=128)},
+    "dkv_q128_1st": {"dkv": _from_unfused(block_q=128, stages=1)},
     "dkv_3st": {"dkv": dict(stages=3)},
     "dkv_2st": {"dkv": dict(stages=2)},
     # g. One backward launch: dQ made in the dK/dV kernel (TMA reduce-add; no dQ kernel).
-    "dkv_fused_dq": {"dkv": dict(fused_dq=True)},
-    "dkv_fused_dq_q128": {"dkv": dict(fused_dq=True, block_q=128)},
-    "dkv_fused_dq_1st": {"dkv": dict(fused_dq=True, stages=1)},
+    "dkv_fused_dq": {"dkv": _from_unfused(fused_dq=True)},
+    "dkv_fused_dq_q128": {"dkv": _from_unfused(fused_dq=True, block_q=128)},
+    "dkv_fused_dq_1st": {"dkv": _from_unfused(fused_dq=True, stages=1)},
     # head_dim 256 (128 too): one key tile shared by both warpgroups, dK and dV split by columns
     # (benchmarks/NOTES.md session 8), against split_dkv's two launches.
-    "dkv_head_split": {"dkv": dict(head_split=True, split_dkv=False, stages=2)},
-    "dkv_head_split_1st": {"dkv": dict(head_split=True, split_dkv=False, stages=1)},
+    "dkv_head_split": {"dkv": _from_unfused(head_split=True, split_dkv=False, stages=2)},
+    "dkv_head_split_1st": {"dkv": _from_unfused(head_split=True, split_dkv=False, stages=1)},
     # Warpgroup 1 makes dP a step ahead (benchmarks/NOTES.md session 9: 0.91-0.97x; off).
     "head_split_dp_ahead": {"dq": dict(dp_ahead=True), "dkv": dict(dp_ahead=True)},
     "dq_head_split": {"dq": dict(head_split=True, stages=2)},
     "dq_head_split_1st": {"dq": dict(head_split=True, stages=1)},
     "head_split": {"dq": dict(head_split=True, stages=2),
-                   "dkv": dict(head_split=True, split_dkv=False, stages=2)},
+                   "dkv": _from_unfused(head_split=True, split_dkv=False, stages=2)},
     # head_dim 256 before session 8: dV, then dK, in two launches with one-slot rings; dQ with
     # its [64, 256] accumulator and a one-slot ring.
     "dkv_split_launches": {"dkv": dict(head_split=False, split_dkv=True, stages=1)},
     "dq_one_warpgroup_1st": {"dq": dict(head_split=False, stages=1)},
     # h. The fused dQ in column halves (FA3's layout: each warpgroup half of dQ's columns from
     # both warpgroups' dS^T; head_dim >= 128).
-    "dkv_dq_halves": {"dkv": dict(fused_dq=True, dq_column_halves=True)},
-    "dkv_dq_halves_1st": {"dkv": dict(fused_dq=True, dq_column_halves=True, stages=1)},
+    "dkv_dq_halves": {"dkv": _from_unfused(fused_dq=True, dq_column_halves=True)},
+    "dkv_dq_halves_1st": {"dkv": _from_unfused(fused_dq=True, dq_column_halves=True, stages=1)},
     # i. FlashAttention-3's register split: 240 per compute thread, 24 for the producer (the
     # table: 232 / 40), for the kernels that spill (the fused dQ at 128, the head split at 256).
     "regs240": {k: dict(_TWO_WGS_REGS240) for k in KERNELS},
-    "dkv_fused_dq_regs240": {"dkv": dict(fused_dq=True, compute_registers=240)},
-    "dkv_dq_halves_regs240": {"dkv": dict(fused_dq=True, dq_column_halves=True,
+    "dkv_fused_dq_regs240": {"dkv": _from_unfused(fused_dq=True, compute_registers=240)},
+    "dkv_dq_halves_regs240": {"dkv": _from_unfused(fused_dq=True, dq_column_halves=True,
                                           compute_registers=240)},
     "head_split_dp_ahead_regs240": {k: dict(dp_ahead=True, compute_registers=240)
                                     for k in ("dq", "dkv")},
     # j. Swizzled float32 tiles (the fused dQ part, the head split's dP hand-over).
     "swizzle_f32": {k: dict(swizzle_f32=True) for k in KERNELS},
-    "dkv_fused_dq_swizzled": {"dkv": dict(fused_dq=True, swizzle_f32=True)},
-    "dkv_dq_halves_swizzled": {"dkv": dict(fused_dq=True, dq_column_halves=True,
+    "dkv_fused_dq_swizzled": {"dkv": _from_unfused(fused_dq=True, swizzle_f32=True)},
+    "dkv_dq_halves_swizzled": {"dkv": _from_unfused(fused_dq=True, dq_column_halves=True,
                                            swizzle_f32=True)},
-    "dkv_fused_dq_swizzled_regs240": {"dkv": dict(fused_dq=True, swizzle_f32=True,
+    "dkv_fused_dq_swizzled_regs240": {"dkv": _from_unfused(fused_dq=True, swizzle_f32=True,
                                                   compute_registers=240)},
     # k. dP's wgmma issued behind S's, P made while dP runs (dQ and dK/dV kernels).
     "co_issue_dp": {"dq": dict(co_issue_dp=True), "dkv": dict(co_issue_dp=True)},
@@ -212,17 +222,18 @@ VARIANTS: dict[str, dict[str, dict]] = {
                     "dkv": dict(co_issue_dp=False, co_issue_dkv=False)},
     # head_dim 64: the separate dQ kernel with both co-issues, against the fused dQ.
     "separate_dq_co_issue": {"dq": dict(co_issue_dp=True),
-                             "dkv": dict(fused_dq=False, co_issue_dq=False, block_q=64,
-                                         co_issue_dp=True, co_issue_dkv=True)},
-    "dkv_fused_dq_swizzled_regs240_co_dkv": {"dkv": dict(fused_dq=True, swizzle_f32=True,
+                             "dkv": _from_unfused(block_q=64, co_issue_dp=True,
+                                                  co_issue_dkv=True)},
+    "dkv_fused_dq_swizzled_regs240_co_dkv": {"dkv": _from_unfused(fused_dq=True, swizzle_f32=True,
                                                          compute_registers=240,
                                                          co_issue_dkv=True)},
-    "dkv_fused_dq_co_issue": {"dkv": dict(fused_dq=True, co_issue_dp=True)},
-    "dkv_fused_dq_co_issue_regs240": {"dkv": dict(fused_dq=True, co_issue_dp=True,
+    "dkv_fused_dq_co_issue": {"dkv": _from_unfused(fused_dq=True, co_issue_dp=True)},
+    "dkv_fused_dq_co_issue_regs240": {"dkv": _from_unfused(fused_dq=True, co_issue_dp=True,
                                                   compute_registers=240)},
     # m. The fused dQ's wgmma issued behind dK's (and dV's), dS^T written while dK runs
     # (session 13: in the table at head_dim 64, with co_issue_dkv). head_dim 64:
-    "dkv_one_at_a_time": {"dkv": dict(co_issue_dkv=False, co_issue_dq=False)},  # (till then)
+    "dkv_one_at_a_time": {"dkv": dict(co_issue_dkv=False, co_issue_dq=False,
+                                      dq_step_late=False)},  # (till then)
     "dkv_co_issue_dq_only": {"dkv": dict(co_issue_dkv=False, co_issue_dq=True)},
     "dkv_co_issue_dq_regs240": {"dkv": dict(co_issue_dq=True, compute_registers=240)},
     # head_dim 128 (the table has the separate dQ kernel): plain fused and column halves, dP's
@@ -232,21 +243,23 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_halves_co_dkv_dq": {"dkv": dict(_FUSED_CO_DKV_DQ, dq_column_halves=True)},
     "dkv_halves_co_dkv_dq_regs240": {"dkv": dict(_FUSED_CO_DKV_DQ, dq_column_halves=True,
                                                  compute_registers=240)},
-    "dkv_halves_co_all_regs240": {"dkv": dict(fused_dq=True, dq_column_halves=True,
+    "dkv_halves_co_all_regs240": {"dkv": _from_unfused(fused_dq=True, dq_column_halves=True,
                                               co_issue_dq=True, compute_registers=240)},
     # The separate dQ kernel again (where the table fuses: head_dim 64).
-    "dkv_separate_dq": {"dkv": dict(fused_dq=False, dq_column_halves=False, co_issue_dq=False,
-                                    block_q=64)},
+    "dkv_separate_dq": {"dkv": _from_unfused(block_q=64)},
     # n. Session 14. The separate kernels with dP's wgmma co-issued (head_dim 128's table), at
     # head_dim 64's short rows, where the fused dQ's float32 passes (zero, then scale and cast:
     # 320 MiB of traffic whatever N is) are ~10% of the time: what the table runs there since
     # (`separate_dq_max_blocks_skewed`), and at every length with this variant.
     "separate_dq_co_dp": {"dq": dict(co_issue_dp=True),
-                          "dkv": dict(fused_dq=False, dq_column_halves=False, co_issue_dq=False,
-                                      block_q=64, co_issue_dp=True)},
+                          "dkv": _from_unfused(block_q=64, co_issue_dp=True)},
     # head_dim 64's fused kernel at every length (the table takes the separate kernels for
     # causal rows of a few blocks since session 14: `separate_dq_max_blocks_skewed`).
-    "dkv_always_fused": {"dkv": dict(separate_dq_max_blocks_skewed=0)},
+    # At head_dim 128 (session 15): the fused dQ in column halves a step late at every length
+    # (the table runs it where the key tiles visit over 128 query blocks on average);
+    # `separate_dq_co_dp` is head_dim 128's table before.
+    "dkv_always_fused": {"dkv": dict(separate_dq_max_blocks_skewed=0,
+                                     separate_dq_max_blocks=0)},
     # head_dim 128's dQ kernel over 128-key blocks (wgmma N 128 for S and dP: a sixth fewer
     # shared-memory bytes per FLOP than N 64, whose operand reads alone fill the 128 B a clock).
     "dq_kv128_regs240": {"dq": dict(block_kv=128, compute_registers=240)},
@@ -254,6 +267,12 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # shared memory: a third fewer of its bytes), 64 registers more at head_dim 128.
     "dq_lhs_in_registers": {"dq": dict(dq_lhs_in_registers=True)},
     "dq_lhs_in_registers_regs240": {"dq": dict(dq_lhs_in_registers=True, compute_registers=240)},
+    # o. Session 15. The fused dQ in column halves with each step's dQ wgmmas a step late (the
+    # two warpgroups' dS^T tiles of the step before: they no longer meet, in lockstep, at every
+    # step's), as the halves above with both co-issues.
+    "dkv_halves_late": {"dkv": dict(_FUSED_CO_DKV_DQ, dq_column_halves=True, dq_step_late=True)},
+    "dkv_halves_late_regs240": {"dkv": dict(_FUSED_CO_DKV_DQ, dq_column_halves=True,
+                                            dq_step_late=True, compute_registers=240)},
 }
 
 _DEFAULT = "default"

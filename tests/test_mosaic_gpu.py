@@ -140,10 +140,18 @@ _VARIANTS = {
     "dq_column_halves_co_issue_dq": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True,
                                                co_issue_dkv=True, co_issue_dq=True,
                                                compute_registers=240)},
+    # ... with each step's dQ wgmmas a step late (the dS^T tiles of the step before).
+    "dq_column_halves_step_late": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True,
+                                             co_issue_dkv=True, co_issue_dq=True,
+                                             dq_step_late=True, compute_registers=240)},
     # The table's head_dim 64 dK/dV/dQ kernel where the table itself takes the separate dQ
     # kernel (causal rows of a few blocks: `separate_dq_max_blocks_skewed`).
     "table_d64_always_fused": {"dkv": dataclasses.replace(
         config_lib.DEFAULTS[(64, "dkv")], separate_dq_max_blocks_skewed=0)},
+    # ... and head_dim 128's, which the table runs where key tiles visit over 128 query blocks.
+    "table_d128_always_fused": {"dkv": dataclasses.replace(
+        config_lib.DEFAULTS[(128, "dkv")], separate_dq_max_blocks=0,
+        separate_dq_max_blocks_skewed=0)},
     # q and dO as the register A operands of S's and dP's wgmmas (interpreted: from shared
     # memory, the same products), with dQ's wgmma left running (dS through shared memory).
     "dq_lhs_in_registers": {"dq": _K(64, 64, co_issue_dp=True, dq_lhs_in_registers=True,
@@ -238,7 +246,16 @@ _VARIANT_CASES = [
     ("dq_column_halves_co_issue_dq", _CAUSAL_203.replace(head_dim=128)),
     ("dq_column_halves_co_issue_dq", cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
     ("dq_lhs_in_registers", cases.get_case("gqa_causal_lengths_113x203")),
+    # A step late: the pending dQ carried across the group's heads and flushed after the walk,
+    # key tiles of no visible query (the first step's "step before" is the zeroed slot), and
+    # several steps a head with lengths (the block-table walk: tests/test_block_mask.py).
+    ("dq_column_halves_step_late", _CAUSAL_203.replace(head_dim=128)),
+    ("dq_column_halves_step_late",
+     cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    ("dq_column_halves_step_late", cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
+    ("dq_column_halves_step_late", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
     ("table_d64_always_fused", _CAUSAL_203),
+    ("table_d128_always_fused", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("table_d64_always_fused", cases.get_case("gqa_causal_lengths_113x203")),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
     ("dq_in_flight", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
@@ -426,6 +443,7 @@ _LOWERED_VARIANTS = [
     (128, {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True, co_issue_dp=True,
                      co_issue_dkv=True, co_issue_dq=True)}),
     (128, {"dq": _K(64, 64, co_issue_dp=True, dq_lhs_in_registers=True)}),
+    (128, _VARIANTS["dq_column_halves_step_late"]),
     (128, {"dq": _K(64, 64, dq_lhs_in_registers=True, dq_in_flight=True,
                     compute_registers=240)}),
     (64, {"dq": _K(64, 64, co_issue_dp=True, dq_lhs_in_registers=True), "dkv": _K(64, 64)}),
@@ -446,17 +464,28 @@ def test_co_issue_dq_needs_the_fused_dq():
     _K(64, 64, co_issue_dq=True)
 
 
+@pytest.mark.parametrize("changes", [dict(dq_column_halves=False), dict(co_issue_dq=False)])
+def test_dq_step_late_needs_co_issued_column_halves(changes):
+  fields = dict(fused_dq=True, dq_column_halves=True, co_issue_dq=True, dq_step_late=True)
+  _K(64, 64, **fields)
+  with pytest.raises(ValueError, match="dq_step_late.*dq_column_halves=True and co_issue_dq"):
+    _K(64, 64, **{**fields, **changes})
+
+
 @pytest.mark.parametrize("head_dim,is_causal,window,seq,fused", [
     (64, True, None, 1024, False),  # key tiles visit 1 to 8 query blocks: 4.5 on average
     (64, True, None, 2048, False),  # 8.5
     (64, True, None, 4096, True),  # 16.5
     (64, False, None, 512, True),  # 4 each: short, but not skewed
     (64, True, (256, 0), 4096, True),  # a window: 3 each but the last two tiles'
-    (128, True, None, 1024, False),  # the table's dK/dV does not fuse at 128
+    (128, True, None, 8192, False),  # head_dim 128: 65 on average, at most 128 apart
+    (128, False, None, 8192, False),  # 128 each
+    (128, True, None, 16384, True),  # 129 on average
+    (128, False, None, 16384, True),  # 256
 ])
 def test_backward_fuses_dq_by_the_key_tiles_visits(head_dim, is_causal, window, seq, fused):
-  """`separate_dq_max_blocks_skewed`: causal rows of a few blocks take the separate dQ kernel,
-  and the dK/dV config unfused in the dQ kernel's tiles, with its dP co-issue."""
+  """`separate_dq_max_blocks(_skewed)`: rows of a few blocks take the separate dQ kernel, and
+  the dK/dV config unfused in the dQ kernel's tiles, with its dP co-issue and registers."""
   spec = pallas_attn.MaskSpec(is_causal=is_causal, local_window=window)
   static = ops._static(head_dim, 1.0, spec, False)
   dq_cfg, dkv_cfg = ops._backward_configs(static, seq, seq)
@@ -465,9 +494,10 @@ def test_backward_fuses_dq_by_the_key_tiles_visits(head_dim, is_causal, window, 
   if fused or not static.dkv_cfg.fused_dq:
     assert dkv_cfg == static.dkv_cfg
   else:
-    assert (dkv_cfg.block_q, dkv_cfg.block_kv, dkv_cfg.co_issue_dp) == (
-        dq_cfg.block_q, dq_cfg.block_kv, dq_cfg.co_issue_dp)
-    assert not (dkv_cfg.co_issue_dq or dkv_cfg.dq_column_halves)
+    assert (dkv_cfg.block_q, dkv_cfg.block_kv, dkv_cfg.co_issue_dp,
+            dkv_cfg.compute_registers) == (dq_cfg.block_q, dq_cfg.block_kv, dq_cfg.co_issue_dp,
+                                           dq_cfg.compute_registers)
+    assert not (dkv_cfg.co_issue_dq or dkv_cfg.dq_column_halves or dkv_cfg.dq_step_late)
     assert dkv_cfg.co_issue_dkv == static.dkv_cfg.co_issue_dkv
 
 
@@ -751,6 +781,8 @@ _GPU_VARIANTS = {
     "fused_dq_co_issue_dp": _VARIANTS["fused_dq_co_issue_dp"],
     "fused_dq_co_issue_dkv_dq": _VARIANTS["fused_dq_co_issue_dkv_dq"],
     "dq_column_halves_co_issue_dq": _VARIANTS["dq_column_halves_co_issue_dq"],
+    "dq_column_halves_step_late": _VARIANTS["dq_column_halves_step_late"],
+    "table_d128_always_fused": _VARIANTS["table_d128_always_fused"],
     "persistent": {"fwd": _K(64, 128, persistent=True)},
     "exp2_fma_overlap_qk": _VARIANTS["exp2_fma_overlap_qk"],
     "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,

@@ -336,6 +336,18 @@ def test_gpu_dq_in_flight_through_block_table(seed):
     _check(_CASES["segments_causal_150x150"].with_base(head_dim=128), seed, interpret=False)
 
 
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpreted"),
+                                       pytest.param(False, id="gpu", marks=pytest.mark.gpu)])
+def test_modifiers_in_the_fused_d128_backward(interpret, seed):
+  """The table's head_dim 128 dK/dV kernel where it makes dQ too (rows of over 128 blocks: the
+  column halves a step late), on every modifier at once with GQA and lengths."""
+  from test_mosaic_gpu import _VARIANTS
+  with kernel_table(128, _VARIANTS["table_d128_always_fused"]):
+    if not interpret:
+      _poison_allocator(64 << 20)
+    _check(_CASES["all_gqa_lengths_113x203"].with_base(head_dim=128), seed, interpret=interpret)
+
+
 def test_interpreted_modifiers_through_attention(seed):
   _check_api_against_portable(77, 150, is_causal=True, alignment="bottom_right", soft_cap=5.0,
                               seed=seed, interpret=True)

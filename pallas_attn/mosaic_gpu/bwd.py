@@ -327,6 +327,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     if dq_acc_ref is not None:
       # (dq_column_halves: `halves_met` holds the two meetings: dS^T tiles ready, per ring slot;
       # both warpgroups past their last dQ wgmma, before the K tiles carry dK out.)
+      # (dq_step_late: `halves_met` also holds the dS^T ring's slots free: both warpgroups' dQ
+      # wgmmas that read a slot are done.)
       ds_smem, dq_out_smem, *halves_met = dq_smem
       # Interpreted, each (key tile, warpgroup) writes its own partial dQ (the interpreter has
       # no TMA reduction); compiled, every CTA adds into the one zeroed dQ.
@@ -351,6 +353,33 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_arrive(halves_met[0].at[slot])
       plgpu.barrier_wait(halves_met[0].at[slot])
       return [(ds_smem.at[slot, w].T, k_smem.at[w, :, dq_columns]) for w in range(_WGS)]
+
+    def late_dq_pairs(slot):
+      """dq_step_late: the dQ wgmma pairs of the step whose dS^T tiles are in slot `slot` of
+      their two-slot ring, once both warpgroups have written theirs."""
+      plgpu.barrier_wait(halves_met[0].at[slot])
+      return [(ds_smem.at[slot, w].T, k_smem.at[w, :, dq_columns]) for w in range(_WGS)]
+
+    def late_dq_operands(dst, count):
+      """dq_step_late: writes this warpgroup's dS^T of its step `count` to slot count % 2 of the
+      dS^T ring (once both warpgroups' dQ wgmmas of step count - 2 have read that slot) and
+      returns the dQ wgmma pairs of step count - 1, whose tiles were written a step ago: the
+      warpgroups meet for tiles that are (nearly always) there already, not for this step's."""
+      slot = lax.rem(count, 2)
+      plgpu.barrier_wait(halves_met[2].at[slot])
+      ds_smem.at[slot, wg][...] = dst
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(halves_met[0].at[slot])
+      return late_dq_pairs(1 - slot)
+
+    def reduce_late_dq(part, pending):
+      """dq_step_late: the reduce-add of the dQ part of the step before (`pending`: (this
+      warpgroup's steps so far, that step's query head and block); none before the first)."""
+      count, head, qi = pending
+
+      @pl.when(count > 0)
+      def _():
+        reduce_dq(part, head, qi)
 
     def reduce_dq(part, head, qi):
       """dQ[qi block (, this warpgroup's half)] += part, by a TMA reduce-add from shared memory."""
@@ -412,7 +441,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           if pairs:
             accumulating = {"dv": (acc["dv"], *dv_operands), **accumulating}
           dq_head = kv_head * groups + g
-          if dq_acc_ref is not None and cfg.co_issue_dq:
+          if dq_acc_ref is not None and cfg.dq_step_late:
+            count = acc["late_dq"][0]
+            accs, part = common.matmul_accs_then_product(
+                tuple(accumulating.values()), lambda: late_dq_operands(dst, count),
+                (block_q, dq_width), stage)
+            acc.update(zip(accumulating, accs))
+            plgpu.barrier_arrive(halves_met[2].at[1 - lax.rem(count, 2)])  # (read: done)
+            reduce_late_dq(part, acc["late_dq"])
+            acc["late_dq"] = (count + 1, dq_head, qi)
+          elif dq_acc_ref is not None and cfg.co_issue_dq:
             accs, part = common.matmul_accs_then_product(
                 tuple(accumulating.values()), lambda: dq_operands(dst, slot),
                 (block_q, dq_width), stage)
@@ -443,7 +481,23 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       return carry
 
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), common.WGMMA)
-    acc = lax.fori_loop(0, groups, one_head, {name: zeros for name in outputs})
+    acc = {name: zeros for name in outputs}
+    late = dq_acc_ref is not None and cfg.dq_step_late
+    if late:
+      # The first step's dQ wgmmas take slot 1 as "the step before": zeros there, met, and
+      # slot 0 free.
+      ds_smem.at[1, wg][...] = plgpu.layout_cast(jnp.zeros((block_kv, block_q), dtype),
+                                                 common.WGMMA)
+      plgpu.commit_smem()
+      plgpu.barrier_arrive(halves_met[0].at[1])
+      plgpu.barrier_arrive(halves_met[2].at[0])
+      acc["late_dq"] = (jnp.int32(0),) * 3
+    acc = lax.fori_loop(0, groups, one_head, acc)
+    if late:  # the last step's dQ, then the last phase of the slots' free barrier observed
+      count = acc["late_dq"][0]
+      reduce_late_dq(common.matmul_sum(late_dq_pairs(1 - lax.rem(count, 2)),
+                                       (block_q, dq_width)), acc["late_dq"])
+      plgpu.barrier_wait(halves_met[2].at[lax.rem(count, 2)])
     if dq_acc_ref is not None and cfg.dq_column_halves:
       # The other warpgroup's dQ wgmmas read this warpgroup's K tile, which is about to be
       # overwritten with dK: wait until both are past their last one.
@@ -566,17 +620,22 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
   fused_dq = cfg.fused_dq if fused_dq is None else fused_dq
   halves = cfg.dq_column_halves
+  # (dq_step_late: a dS^T ring of its own, two slots, the step before's read while this one's
+  # is written; else the dS^T tiles follow the q ring's slots.)
+  ds_slots = 2 if cfg.dq_step_late else cfg.stages
   dq_tiles = [
       # dS^T, read transposed by the dQ wgmma (dq_column_halves: one per ring slot, read by both
       # warpgroups)
-      tile(*((cfg.stages,) if halves else ()), _WGS, cfg.block_kv, cfg.block_q),
+      tile(*((ds_slots,) if halves else ()), _WGS, cfg.block_kv, cfg.block_q),
       # dQ part, out by reduce-add
       common.f32_tile((_WGS, cfg.block_q, head_dim // 2 if halves else head_dim),
                       cfg.swizzle_f32),
       # dq_column_halves: both warpgroups' dS^T of a ring slot are in shared memory; both are
       # past their last dQ wgmma (which reads both K tiles)
-      *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),
+      *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=ds_slots),
          plgpu.Barrier(num_arrivals=_WGS)] if halves else []),
+      # dq_step_late: both warpgroups' dQ wgmmas have read a slot of the dS^T ring
+      *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=2)] if cfg.dq_step_late else []),
   ] if fused_dq else []
   return [
       tile(_WGS, cfg.block_kv, head_dim),  # k, then dk out

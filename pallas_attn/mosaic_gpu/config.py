@@ -26,6 +26,7 @@ launches: `split_dkv`).
 from __future__ import annotations
 
 import dataclasses
+import types
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 SMEM_BYTES = 227 * 1024
@@ -177,6 +178,13 @@ class KernelConfig:
   # co_issue_dkv (H200, fwd+bwd 1.03-1.08x; benchmarks/NOTES.md session 13); at 128 the fused
   # kernels, even with it, are no faster than the separate dQ kernel.
   co_issue_dq: bool = False
+  # dK/dV with dq_column_halves and co_issue_dq: each step's dQ wgmmas take both warpgroups'
+  # dS^T tiles of the step before, written a step ago (a two-slot dS^T ring of their own),
+  # not this step's, so neither warpgroup waits at a step for the other's dS^T of that step:
+  # meeting every step holds the two in lockstep, both on the CUDA cores (P^T, dS^T) at once
+  # while the tensor cores idle. They may now drift apart by up to a step. The last step's dQ
+  # is made after the walk.
+  dq_step_late: bool = False
   # dQ (not head_split): each step's dQ += dS K wgmma (dS through one of two shared-memory tiles
   # per warpgroup) is left running into the next step, whose S (and dP) wgmmas are issued behind
   # it; the next step's first wait covers it, and only then is its K slot released. Without it
@@ -207,6 +215,12 @@ class KernelConfig:
   # average): the separate kernels 1.17 / 1.11 / 1.03x the fused one; not causal 0.89-0.99x
   # (benchmarks/NOTES.md session 14). 0: always fused. (Without fused_dq: nothing.)
   separate_dq_max_blocks_skewed: int = 0
+  # The same where the key tiles visit about as many query blocks each (no mask, a window).
+  # H200, head_dim 128, the fused dQ in column halves a step late over the separate kernels:
+  # 0.94-0.98x at N 512-2048 (8-32 blocks), level at 4096-8192 (64-128), 1.04x at 16384 (256);
+  # causal, 0.85-0.93x at N 512-2048, level at 4096-8192, 1.06x at 16384 (129 on average)
+  # (benchmarks/NOTES.md session 15).
+  separate_dq_max_blocks: int = 0
 
   def runs_persistent(self, tile_blocks) -> bool:
     """Whether the forward takes the persistent grid, its query tiles visiting `tile_blocks`
@@ -224,7 +238,9 @@ class KernelConfig:
     if not self.fused_dq:
       return False
     mean, skewed = _mean_and_skew(key_tile_blocks)
-    return not (skewed and mean <= self.separate_dq_max_blocks_skewed)
+    if mean is None:
+      return True
+    return mean > (self.separate_dq_max_blocks_skewed if skewed else self.separate_dq_max_blocks)
 
   @property
   def producer_registers(self) -> int:
@@ -273,11 +289,15 @@ class KernelConfig:
     if self.exp2_fma_cols % 8 or not 0 <= self.exp2_fma_cols <= self.block_kv:
       raise ValueError(f"exp2_fma_cols must be a multiple of 8 from 0 to block_kv "
                        f"({self.block_kv}), got {self.exp2_fma_cols}")
-    if self.separate_dq_max_blocks_skewed < 0:
-      raise ValueError(f"separate_dq_max_blocks_skewed must be >= 0, got "
-                       f"{self.separate_dq_max_blocks_skewed}")
+    if min(self.separate_dq_max_blocks, self.separate_dq_max_blocks_skewed) < 0:
+      raise ValueError(f"separate_dq_max_blocks ({self.separate_dq_max_blocks}) and "
+                       f"separate_dq_max_blocks_skewed ({self.separate_dq_max_blocks_skewed}) "
+                       f"must be >= 0")
     if self.co_issue_dq and not self.fused_dq:
       raise ValueError("co_issue_dq issues the fused dQ's wgmma: it needs fused_dq=True")
+    if self.dq_step_late and not (self.dq_column_halves and self.co_issue_dq):
+      raise ValueError("dq_step_late is a layout of the fused dQ in column halves with its "
+                       "wgmma co-issued: it needs dq_column_halves=True and co_issue_dq=True")
     if self.dq_column_halves and not self.fused_dq:
       raise ValueError("dq_column_halves is a layout of the fused dQ: it needs fused_dq=True")
     if self.compute_warpgroups not in (2, 3):
@@ -316,18 +336,24 @@ def _mean_and_skew(tile_blocks) -> tuple[float | None, bool]:
   return mean, max(tile_blocks) > 1.25 * mean
 
 
+# The dK/dV fields that make dQ in its kernel, off: what `backward_configs` changes where the
+# separate dQ kernel runs (and the tuner's variants that start from the unfused kernel).
+UNFUSED_DQ = types.MappingProxyType(dict(
+    fused_dq=False, co_issue_dq=False, dq_column_halves=False, dq_step_late=False,
+    separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0))
+
+
 def backward_configs(dq_cfg: KernelConfig, dkv_cfg: KernelConfig,
                      key_tile_blocks) -> tuple[KernelConfig, KernelConfig]:
   """(dQ config, dK/dV config) of the backward, the key tiles of dkv_cfg visiting
   `key_tile_blocks` query blocks each: the two given, or where dkv_cfg is fused but
   `fuses_dq` says not here, dq_cfg and dkv_cfg unfused in dq_cfg's tiles and with its dP
-  co-issue (the two kernels then share one block table)."""
+  co-issue and register split (the two kernels then share one block table)."""
   if not dkv_cfg.fused_dq or dkv_cfg.fuses_dq(key_tile_blocks):
     return dq_cfg, dkv_cfg
   return dq_cfg, dataclasses.replace(
-      dkv_cfg, fused_dq=False, co_issue_dq=False, dq_column_halves=False,
-      separate_dq_max_blocks_skewed=0, block_q=dq_cfg.block_q, block_kv=dq_cfg.block_kv,
-      co_issue_dp=dq_cfg.co_issue_dp)
+      dkv_cfg, **UNFUSED_DQ, block_q=dq_cfg.block_q, block_kv=dq_cfg.block_kv,
+      co_issue_dp=dq_cfg.co_issue_dp, compute_registers=dq_cfg.compute_registers)
 
 
 # SMs of an H100 / H200 SXM: the CTAs of a persistent forward (`KernelConfig.persistent`) when no
@@ -381,14 +407,23 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     (256, "dq"): KernelConfig(block_q=64, block_kv=64, head_split=True),
     # head_dim 64: dQ from the dK/dV kernel, 128-row query blocks (H200, b4 s4096 h32 d64,
     # fwd+bwd: 1.09x and 1.10x the separate dQ kernel in two runs; benchmarks/NOTES.md session 5).
-    # At head_dim 128 the fused kernel spills (dK, dV and the dQ part) and is 0.93-0.98x: not used.
+    # At head_dim 128 the plain fused kernel spills (dK, dV and the dQ part) and is 0.93-0.98x:
+    # there the column halves (below).
     # dV's, dK's and dQ's wgmmas of a step issued together (H200, fwd+bwd at N 4096 / 16384,
     # causal and not: 1.02-1.08x the one-at-a-time kernel in three tuner calls; session 13).
     # Causal rows whose key tiles visit at most 12 query blocks on average (N <= 2048) take the
     # separate dQ kernel (H200: 1.17 / 1.11 / 1.03x at N 512 / 1024 / 2048; session 14).
     (64, "dkv"): KernelConfig(block_q=128, block_kv=64, fused_dq=True, co_issue_dkv=True,
                               co_issue_dq=True, separate_dq_max_blocks_skewed=12),
-    (128, "dkv"): KernelConfig(block_q=64, block_kv=64, co_issue_dp=True, co_issue_dkv=True),
+    # head_dim 128: the separate dQ kernel, but where the key tiles visit over 128 query
+    # blocks on average (N 16384, causal or not; GQA alike): the fused dQ in column halves,
+    # dV's, dK's and dQ's wgmmas issued together, dQ's a step late, 240 registers (H200, fwd+bwd
+    # 1.04-1.07x the separate kernels there, level at N 4096-8192, 0.85-0.98x below; session
+    # 15). The separate kernels' dK/dV: dP's wgmma co-issued as in dQ (`backward_configs`).
+    (128, "dkv"): KernelConfig(block_q=64, block_kv=64, co_issue_dkv=True, fused_dq=True,
+                               dq_column_halves=True, co_issue_dq=True, dq_step_late=True,
+                               compute_registers=240, separate_dq_max_blocks=128,
+                               separate_dq_max_blocks_skewed=128),
     # head_dim 256: dK and dV split by columns between the warpgroups of one key tile (H200,
     # fwd+bwd 1.33-1.41x split_dkv's two launches at N 4096 / 16384, causal and not, in one tuner
     # run; benchmarks/NOTES.md session 8).
