@@ -273,6 +273,14 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_halves_late": {"dkv": dict(_FUSED_CO_DKV_DQ, dq_column_halves=True, dq_step_late=True)},
     "dkv_halves_late_regs240": {"dkv": dict(_FUSED_CO_DKV_DQ, dq_column_halves=True,
                                             dq_step_late=True, compute_registers=240)},
+    # ... with dV's wgmma awaited before dP^T's (P^T's bf16 copy dead in dP^T's phase, the
+    # register peak), and with dP's wgmma co-issued too.
+    "dkv_halves_late_dv_first": {"dkv": dict(_FUSED_CO_DKV_DQ, co_issue_dkv=False,
+                                             dq_column_halves=True, dq_step_late=True,
+                                             compute_registers=240)},
+    "dkv_halves_late_co_dp": {"dkv": dict(_FUSED_CO_DKV_DQ, co_issue_dp=True,
+                                          dq_column_halves=True, dq_step_late=True,
+                                          compute_registers=240)},
 }
 
 _DEFAULT = "default"
