@@ -327,9 +327,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     if dq_acc_ref is not None:
       # (dq_column_halves: `halves_met` holds the two meetings: dS^T tiles ready, per ring slot;
       # both warpgroups past their last dQ wgmma, before the K tiles carry dK out.)
-      # (dq_step_late: `halves_met` also holds the dS^T ring's slots free: both warpgroups' dQ
-      # wgmmas that read a slot are done.)
       ds_smem, dq_out_smem, *halves_met = dq_smem
+      # dq_step_late: per slot of the dS^T ring, both warpgroups' dQ wgmmas that read it done.
+      ds_read = halves_met.pop() if cfg.dq_step_late else None
       # Interpreted, each (key tile, warpgroup) writes its own partial dQ (the interpreter has
       # no TMA reduction); compiled, every CTA adds into the one zeroed dQ.
       dq_dest = (dq_acc_ref.at[lax.axis_index("kv_tiles") * _WGS + wg] if dq_partials
@@ -366,7 +366,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       returns the dQ wgmma pairs of step count - 1, whose tiles were written a step ago: the
       warpgroups meet for tiles that are (nearly always) there already, not for this step's."""
       slot = lax.rem(count, 2)
-      plgpu.barrier_wait(halves_met[2].at[slot])
+      plgpu.barrier_wait(ds_read.at[slot])
       ds_smem.at[slot, wg][...] = dst
       plgpu.commit_smem()
       plgpu.barrier_arrive(halves_met[0].at[slot])
@@ -447,7 +447,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                 tuple(accumulating.values()), lambda: late_dq_operands(dst, count),
                 (block_q, dq_width), stage)
             acc.update(zip(accumulating, accs))
-            plgpu.barrier_arrive(halves_met[2].at[1 - lax.rem(count, 2)])  # (read: done)
+            plgpu.barrier_arrive(ds_read.at[1 - lax.rem(count, 2)])  # (read: done)
             reduce_late_dq(part, acc["late_dq"])
             acc["late_dq"] = (count + 1, dq_head, qi)
           elif dq_acc_ref is not None and cfg.co_issue_dq:
@@ -490,14 +490,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                                                  common.WGMMA)
       plgpu.commit_smem()
       plgpu.barrier_arrive(halves_met[0].at[1])
-      plgpu.barrier_arrive(halves_met[2].at[0])
+      plgpu.barrier_arrive(ds_read.at[0])
       acc["late_dq"] = (jnp.int32(0),) * 3
     acc = lax.fori_loop(0, groups, one_head, acc)
     if late:  # the last step's dQ, then the last phase of the slots' free barrier observed
       count = acc["late_dq"][0]
       reduce_late_dq(common.matmul_sum(late_dq_pairs(1 - lax.rem(count, 2)),
                                        (block_q, dq_width)), acc["late_dq"])
-      plgpu.barrier_wait(halves_met[2].at[lax.rem(count, 2)])
+      plgpu.barrier_wait(ds_read.at[lax.rem(count, 2)])
     if dq_acc_ref is not None and cfg.dq_column_halves:
       # The other warpgroup's dQ wgmmas read this warpgroup's K tile, which is about to be
       # overwritten with dK: wait until both are past their last one.
