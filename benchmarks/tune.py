@@ -197,16 +197,16 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "regs240": {k: dict(_TWO_WGS_REGS240) for k in KERNELS},
     "dkv_fused_dq_regs240": {"dkv": _from_unfused(fused_dq=True, compute_registers=240)},
     "dkv_dq_halves_regs240": {"dkv": _from_unfused(fused_dq=True, dq_column_halves=True,
-                                          compute_registers=240)},
+                                                   compute_registers=240)},
     "head_split_dp_ahead_regs240": {k: dict(dp_ahead=True, compute_registers=240)
                                     for k in ("dq", "dkv")},
     # j. Swizzled float32 tiles (the fused dQ part, the head split's dP hand-over).
     "swizzle_f32": {k: dict(swizzle_f32=True) for k in KERNELS},
     "dkv_fused_dq_swizzled": {"dkv": _from_unfused(fused_dq=True, swizzle_f32=True)},
     "dkv_dq_halves_swizzled": {"dkv": _from_unfused(fused_dq=True, dq_column_halves=True,
-                                           swizzle_f32=True)},
+                                                    swizzle_f32=True)},
     "dkv_fused_dq_swizzled_regs240": {"dkv": _from_unfused(fused_dq=True, swizzle_f32=True,
-                                                  compute_registers=240)},
+                                                           compute_registers=240)},
     # k. dP's wgmma issued behind S's, P made while dP runs (dQ and dK/dV kernels).
     "co_issue_dp": {"dq": dict(co_issue_dp=True), "dkv": dict(co_issue_dp=True)},
     "co_issue_dp_regs240": {k: dict(co_issue_dp=True, compute_registers=240)
@@ -225,18 +225,18 @@ VARIANTS: dict[str, dict[str, dict]] = {
                              "dkv": _from_unfused(block_q=64, co_issue_dp=True,
                                                   co_issue_dkv=True)},
     "dkv_fused_dq_swizzled_regs240_co_dkv": {"dkv": _from_unfused(fused_dq=True, swizzle_f32=True,
-                                                         compute_registers=240,
-                                                         co_issue_dkv=True)},
+                                                                  compute_registers=240,
+                                                                  co_issue_dkv=True)},
     "dkv_fused_dq_co_issue": {"dkv": _from_unfused(fused_dq=True, co_issue_dp=True)},
     "dkv_fused_dq_co_issue_regs240": {"dkv": _from_unfused(fused_dq=True, co_issue_dp=True,
-                                                  compute_registers=240)},
+                                                           compute_registers=240)},
     # m. The fused dQ's wgmma issued behind dK's (and dV's), dS^T written while dK runs
     # (session 13: in the table at head_dim 64, with co_issue_dkv). head_dim 64:
     "dkv_one_at_a_time": {"dkv": dict(co_issue_dkv=False, co_issue_dq=False,
                                       dq_step_late=False)},  # (till then)
     "dkv_co_issue_dq_only": {"dkv": dict(co_issue_dkv=False, co_issue_dq=True)},
     "dkv_co_issue_dq_regs240": {"dkv": dict(co_issue_dq=True, compute_registers=240)},
-    # head_dim 128 (the table has the separate dQ kernel): plain fused and column halves, dP's
+    # head_dim 128 (the table had the separate dQ kernel): plain fused and column halves, dP's
     # wgmma not co-issued (the fused kernel cannot hold its extra tile, session 9).
     "dkv_fused_co_dkv_dq": {"dkv": _FUSED_CO_DKV_DQ},
     "dkv_fused_co_dkv_dq_regs240": {"dkv": dict(_FUSED_CO_DKV_DQ, compute_registers=240)},
@@ -244,7 +244,7 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_halves_co_dkv_dq_regs240": {"dkv": dict(_FUSED_CO_DKV_DQ, dq_column_halves=True,
                                                  compute_registers=240)},
     "dkv_halves_co_all_regs240": {"dkv": _from_unfused(fused_dq=True, dq_column_halves=True,
-                                              co_issue_dq=True, compute_registers=240)},
+                                                       co_issue_dq=True, compute_registers=240)},
     # The separate dQ kernel again (where the table fuses: head_dim 64).
     "dkv_separate_dq": {"dkv": _from_unfused(block_q=64)},
     # n. Session 14. The separate kernels with dP's wgmma co-issued (head_dim 128's table), at

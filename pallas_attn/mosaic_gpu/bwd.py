@@ -351,12 +351,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       if not cfg.dq_column_halves:
         return [(own_ds.T, k_smem.at[wg])]
       plgpu.barrier_arrive(halves_met[0].at[slot])
-      plgpu.barrier_wait(halves_met[0].at[slot])
-      return [(ds_smem.at[slot, w].T, k_smem.at[w, :, dq_columns]) for w in range(_WGS)]
+      return halves_pairs(slot)
 
-    def late_dq_pairs(slot):
-      """dq_step_late: the dQ wgmma pairs of the step whose dS^T tiles are in slot `slot` of
-      their two-slot ring, once both warpgroups have written theirs."""
+    def halves_pairs(slot):
+      """dq_column_halves: the dQ wgmma pairs of the dS^T tiles in slot `slot`, once both
+      warpgroups have written theirs."""
       plgpu.barrier_wait(halves_met[0].at[slot])
       return [(ds_smem.at[slot, w].T, k_smem.at[w, :, dq_columns]) for w in range(_WGS)]
 
@@ -370,7 +369,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       ds_smem.at[slot, wg][...] = dst
       plgpu.commit_smem()
       plgpu.barrier_arrive(halves_met[0].at[slot])
-      return late_dq_pairs(1 - slot)
+      return halves_pairs(1 - slot)
 
     def reduce_late_dq(part, pending):
       """dq_step_late: the reduce-add of the dQ part of the step before (`pending`: (this
@@ -495,7 +494,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     acc = lax.fori_loop(0, groups, one_head, acc)
     if late:  # the last step's dQ, then the last phase of the slots' free barrier observed
       count = acc["late_dq"][0]
-      reduce_late_dq(common.matmul_sum(late_dq_pairs(1 - lax.rem(count, 2)),
+      reduce_late_dq(common.matmul_sum(halves_pairs(1 - lax.rem(count, 2)),
                                        (block_q, dq_width)), acc["late_dq"])
       plgpu.barrier_wait(ds_read.at[lax.rem(count, 2)])
     if dq_acc_ref is not None and cfg.dq_column_halves:

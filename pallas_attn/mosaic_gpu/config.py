@@ -101,7 +101,8 @@ class KernelConfig:
   # warpgroup. Both warpgroups step every query block of the CTA's range: where a warpgroup's
   # keys see none of a block, its dS^T is zero (the masked step), one extra step per head at a
   # causal diagonal. H200, head_dim 128 (session 6): it spills more than plain fused_dq, not
-  # less, and runs 0.96-1.03x the separate dQ kernel; off everywhere (benchmarks/NOTES.md).
+  # less, and runs 0.96-1.03x the separate dQ kernel (benchmarks/NOTES.md); in the table at
+  # head_dim 128's long rows with `dq_step_late`, which takes the warpgroups out of lockstep.
   dq_column_halves: bool = False
   # Forward only: a persistent grid. One CTA per SM (NUM_SMS; a few in the interpreter) walks
   # the (batch, head, query tile) work items in `grid_order` (fastest axis first), CTA c taking
@@ -175,8 +176,9 @@ class KernelConfig:
   # and they are awaited once. The dS^T tile is written to shared memory, and with
   # dq_column_halves the warpgroups meet, while dK's wgmma runs; without it dK's wgmma is
   # awaited before dS^T is written, and dQ's before the step goes on. On at head_dim 64 with
-  # co_issue_dkv (H200, fwd+bwd 1.03-1.08x; benchmarks/NOTES.md session 13); at 128 the fused
-  # kernels, even with it, are no faster than the separate dQ kernel.
+  # co_issue_dkv (H200, fwd+bwd 1.03-1.08x; benchmarks/NOTES.md session 13); at 128 with the
+  # column halves and `dq_step_late` (alone, the fused kernels are no faster than the
+  # separate dQ kernel there).
   co_issue_dq: bool = False
   # dK/dV with dq_column_halves and co_issue_dq: each step's dQ wgmmas take both warpgroups'
   # dS^T tiles of the step before, written a step ago (a two-slot dS^T ring of their own),

@@ -302,7 +302,7 @@ def _backward_pass(static: _Static, q, k, v, d_out, lse, delta, q_lengths, kv_le
 
 def _backward_configs(static: _Static, q_len: int, kv_len: int):
   """The (dQ, dK/dV) configs of a backward over the padded lengths: the static ones, or their
-  separate-dQ form for rows of a few skewed blocks (`config.backward_configs`) where its tiles
+  separate-dQ form for rows of a few blocks (`config.backward_configs`) where its tiles
   divide the lengths (padded for the static ones)."""
   dq_cfg, dkv_cfg = config_lib.backward_configs(
       static.dq_cfg, static.dkv_cfg, bwd.key_tile_blocks(static.spec, q_len, kv_len,
