@@ -163,6 +163,8 @@ PRESETS = {
                          + fa_sweep(seqs=(4096,), head_dims=(64, 256), causal=(False,))),
     # head_dim 256, both passes' anchors (the dK/dV layouts: benchmarks/NOTES.md session 8).
     "tune_d256": lambda: fa_sweep(seqs=(4096, 16384), head_dims=(256,)),
+    # The other head_dim 256 lengths of the FlashAttention sweep.
+    "d256_rest": lambda: fa_sweep(seqs=(512, 1024, 2048, 8192), head_dims=(256,)),
     # One d128 causal shape (benchmarks/tune.py --ptxas: registers hardly depend on the shape).
     "tune_d128": lambda: fa_sweep(seqs=(4096,), head_dims=(128,), causal=(True,)),
     # head_dim 64 at the anchors' lengths (N = 4096 / 16384, causal and not).

@@ -184,6 +184,13 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dq_head_split_1st": {"dq": dict(head_split=True, stages=1)},
     "head_split": {"dq": dict(head_split=True, stages=2),
                    "dkv": _from_unfused(head_split=True, split_dkv=False, stages=2)},
+    # Session 16: the head split with dQ fused in (FA3's head_dim 256 backward: no dQ kernel,
+    # one stage beside the float32 dQ halves).
+    "head_split_fused_dq": {"dkv": _from_unfused(head_split=True, split_dkv=False,
+                                                 fused_dq=True, stages=1)},
+    "head_split_fused_dq_regs240": {"dkv": _from_unfused(head_split=True, split_dkv=False,
+                                                         fused_dq=True, stages=1,
+                                                         compute_registers=240)},
     # head_dim 256 before session 8: dV, then dK, in two launches with one-slot rings; dQ with
     # its [64, 256] accumulator and a one-slot ring.
     "dkv_split_launches": {"dkv": dict(head_split=False, split_dkv=True, stages=1)},
@@ -301,7 +308,8 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   or the same configs as the default's."""
   table_dkv = config_lib.kernel_config(shape.head_dim, "dkv")
   dkv_changes = VARIANTS[name].get("dkv", {})
-  if dkv_changes.get("fused_dq") and (table_dkv.split_dkv or table_dkv.head_split):
+  if (dkv_changes.get("fused_dq") and not dkv_changes.get("head_split")
+      and (table_dkv.split_dkv or table_dkv.head_split)):
     return f"does not apply: head_dim {shape.head_dim} splits dK and dV"
   if dkv_changes.get("co_issue_dq") and not dkv_changes.get("fused_dq", table_dkv.fused_dq):
     return (f"does not apply: co_issue_dq is the fused dQ's option, and head_dim "

@@ -33,11 +33,14 @@ HEAD_SPLIT_1STAGE = _K(64, 64, stages=1, head_split=True)
 DP_AHEAD = _K(64, 64, head_split=True, dp_ahead=True)
 # dP handed over through a swizzled float32 tile.
 SWIZZLED = _K(64, 64, head_split=True, swizzle_f32=True)
+# dQ made in the dK/dV kernel, in column halves (one stage beside the float32 dQ halves).
+FUSED = _K(64, 64, stages=1, head_split=True, fused_dq=True)
 
 
 def _both(cfg):
-  """The table's dQ and dK/dV entries both `cfg`."""
-  return {"dq": cfg, "dkv": cfg}
+  """The table's dQ and dK/dV entries both `cfg` (the dK/dV entry alone where it fuses dQ:
+  then the dQ entry is the plain head split, which the dbias kernel also takes)."""
+  return {"dq": HEAD_SPLIT if cfg.fused_dq else cfg, "dkv": cfg}
 
 
 def _no_race():
@@ -62,13 +65,20 @@ _INTERPRETED = [
     (DP_AHEAD, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     (DP_AHEAD, cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
     (SWIZZLED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
+    # dQ fused in: several query blocks per key tile both sides of the diagonal, a group of 4
+    # query heads adding into one dQ each, key lengths and rows with no key.
+    (FUSED, _CAUSAL_203.replace(head_dim=256)),
+    (FUSED, cases.get_case("mqa_113x203").replace(head_dim=256)),
+    (FUSED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    (FUSED, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
 ]
 
 
 @pytest.mark.parametrize("cfg,case", [
     pytest.param(cfg, c.replace(dtype=cases.BF16),
                  id=(f"{cfg.stages}st{'-ahead' if cfg.dp_ahead else ''}"
-                     f"{'-swizzled' if cfg.swizzle_f32 else ''}-{c.name}-d{c.head_dim}"))
+                     f"{'-swizzled' if cfg.swizzle_f32 else ''}"
+                     f"{'-fused' if cfg.fused_dq else ''}-{c.name}-d{c.head_dim}"))
     for cfg, c in _INTERPRETED])
 def test_interpreted_head_split_matches_reference(cfg, case, seed):
   with kernel_table(case.head_dim, _both(cfg)):
@@ -86,7 +96,9 @@ def test_interpreted_head_split_dq_reversed_beside_plain_dkv(seed):
 
 @pytest.mark.parametrize("name,head_dim,cfg", [("all_gqa_lengths_113x203", 256, HEAD_SPLIT),
                                                ("segments_causal_150x150", 128, HEAD_SPLIT),
-                                               ("segments_causal_150x150", 128, DP_AHEAD)])
+                                               ("segments_causal_150x150", 128, DP_AHEAD),
+                                               ("all_gqa_lengths_113x203", 256, FUSED),
+                                               ("segments_causal_150x150", 256, FUSED)])
 def test_interpreted_head_split_with_modifiers(name, head_dim, cfg, seed):
   """Soft-cap (dS times its derivative), ALiBi per query head of the group, segment ids (the
   block table with one list per key tile), lengths."""
@@ -131,8 +143,12 @@ def test_tables_with_one_block_per_cta():
 def test_head_split_config_is_checked():
   with pytest.raises(ValueError, match="head_split"):
     _K(64, 64, head_split=True, split_dkv=True)
-  with pytest.raises(ValueError, match="head_split"):
-    _K(64, 64, head_split=True, fused_dq=True)
+  for fused_option in ("dq_column_halves", "co_issue_dq"):
+    with pytest.raises(ValueError, match="head_split is a layout of its own"):
+      _K(64, 64, head_split=True, fused_dq=True, **{fused_option: True})
+  with pytest.raises(ValueError, match="takes no dp_ahead"):
+    _K(64, 64, head_split=True, fused_dq=True, dp_ahead=True)
+  assert FUSED.fused_dq and FUSED.head_split
   with pytest.raises(ValueError, match="dp_ahead"):
     _K(64, 64, dp_ahead=True)
   with pytest.raises(ValueError, match="dp_ahead"):
@@ -150,10 +166,12 @@ def test_head_split_config_is_checked():
 
 
 @pytest.mark.parametrize("head_dim,cfg", [(256, HEAD_SPLIT), (128, HEAD_SPLIT),
-                                          (256, HEAD_SPLIT_1STAGE), (256, DP_AHEAD)])
+                                          (256, HEAD_SPLIT_1STAGE), (256, DP_AHEAD),
+                                          (256, FUSED), (128, FUSED)])
 def test_head_split_lowers_for_cuda(head_dim, cfg):
   """The real lowering (the interpreter runs neither register operands nor the TMA rules), and
-  the shared-memory check: two stages fit at head_dim 256 (dK/dV 226 KiB, dQ 218 KiB)."""
+  the shared-memory check: two stages fit at head_dim 256 (dK/dV 226 KiB, dQ 218 KiB), and
+  one beside the fused dQ's float32 halves (226 KiB)."""
   q = jax.ShapeDtypeStruct((1, 300, 2, head_dim), jnp.bfloat16)
 
   def loss(q, k, v):
@@ -163,7 +181,23 @@ def test_head_split_lowers_for_cuda(head_dim, cfg):
 
   lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
       lowering_platforms=("cuda",))
-  assert lowered.as_text().count("mosaic_gpu_v2") == 3  # forward, dQ, one dK/dV
+  # forward, dQ (none when fused in), one dK/dV
+  assert lowered.as_text().count("mosaic_gpu_v2") == (2 if cfg.fused_dq else 3)
+
+
+def test_fused_head_split_needs_its_stage():
+  """Two stages of the q / dO ring do not fit beside the float32 dQ halves at head_dim 256:
+  the shared-memory check says so before lowering."""
+  q = jax.ShapeDtypeStruct((1, 256, 1, 256), jnp.bfloat16)
+  two_stages = _K(64, 64, head_split=True, fused_dq=True)
+
+  def loss(q):
+    out, _ = ops.attention(q, q, q, None, None, scale=0.1, spec=pallas_attn.MaskSpec(),
+                           dq_cfg=HEAD_SPLIT, dkv_cfg=two_stages)
+    return out.astype(jnp.float32).sum()
+
+  with pytest.raises(ValueError, match="shared memory"):
+    jax.jit(jax.grad(loss)).trace(q).lower(lowering_platforms=("cuda",))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +207,8 @@ def test_head_split_lowers_for_cuda(head_dim, cfg):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
                                  pytest.param(DP_AHEAD, id="dp_ahead"),
-                                 pytest.param(SWIZZLED, id="swizzled")])
+                                 pytest.param(SWIZZLED, id="swizzled"),
+                                 pytest.param(FUSED, id="fused")])
 @pytest.mark.parametrize("case", [
     pytest.param(c.replace(dtype=cases.BF16, head_dim=d), id=f"{c.name}-d{d}")
     for d in (256, 128)
@@ -187,16 +222,20 @@ def test_gpu_head_split_matches_reference(case, cfg, seed):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
+                                 pytest.param(FUSED, id="fused")])
 @pytest.mark.parametrize("name", list(mods_tests._CASES))
-def test_gpu_head_split_with_modifiers(name, seed):
-  with kernel_table(256, _both(HEAD_SPLIT)):
+def test_gpu_head_split_with_modifiers(name, cfg, seed):
+  with kernel_table(256, _both(cfg)):
     _poison_allocator(64 << 20)
     mods_tests._check(mods_tests._CASES[name].with_base(head_dim=256), seed, interpret=False)
 
 
 @pytest.mark.gpu
-def test_gpu_head_split_with_dropout(seed):
-  with kernel_table(256, _both(HEAD_SPLIT)):
+@pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
+                                 pytest.param(FUSED, id="fused")])
+def test_gpu_head_split_with_dropout(cfg, seed):
+  with kernel_table(256, _both(cfg)):
     _poison_allocator(64 << 20)
     batch, _, _, heads_q, heads_kv, is_causal, broadcast = (
         dropout_tests._CASES["gqa_causal_77x150"])

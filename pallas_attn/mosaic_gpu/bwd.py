@@ -385,11 +385,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       rows_out = (batch, pl.ds(qi * block_q, block_q), head)
       if cfg.dq_column_halves:
         rows_out = (*rows_out, dq_columns)
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # the last reduce-add has read dq_out
-      dq_out_smem.at[wg][...] = part
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_out_smem.at[wg], dq_dest.at[rows_out],
-                              reduction_op=None if dq_partials else "add")
+      common.reduce_add(part, dq_out_smem.at[wg], dq_dest.at[rows_out], dq_partials)
 
     def one_head(g, carry):
       # (The query head only matters to ALiBi, dropout and the user's functions: don't compute
@@ -570,11 +566,19 @@ def dqkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   if cfg.dq_column_halves and q.shape[-1] < 128:
     raise ValueError(f"dq_column_halves needs head_dim >= 128 (each half a whole 64-column "
                      f"tile of K), got head_dim {q.shape[-1]}")
-  num_partials = k.shape[1] // (_WGS * cfg.block_kv) * _WGS if interpret else None
+  # (One partial per key tile and warpgroup; with head_split both warpgroups' column halves
+  # share their key tile's.)
+  num_partials = (k.shape[1] // cfg.block_kv if cfg.head_split
+                  else k.shape[1] // (_WGS * cfg.block_kv) * _WGS)
   dq_acc = jax.new_ref(jnp.zeros(((num_partials,) if interpret else ()) + q.shape, jnp.float32))
-  dk, dv = _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
-                     mod_arrays.transposed_pairs(), table, dq_acc, scale=scale, spec=spec,
-                     cfg=cfg, interpret=interpret, outputs=("dk", "dv"), mods=mods)
+  if cfg.head_split:
+    dk, dv = head_split.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
+                            mod_arrays.transposed_pairs(), table, scale=scale, spec=spec,
+                            cfg=cfg, interpret=interpret, mods=mods, dq_acc=dq_acc)
+  else:
+    dk, dv = _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
+                       mod_arrays.transposed_pairs(), table, dq_acc, scale=scale, spec=spec,
+                       cfg=cfg, interpret=interpret, outputs=("dk", "dv"), mods=mods)
   dq = dq_acc[...]
   if interpret:
     dq = dq.sum(axis=0)

@@ -250,6 +250,18 @@ def matmul_then_rescaled_acc(first, acc, acc_scale, lhs, rhs, *, after_issue, be
   return pl.run_scoped(issue, plgpu.ACC(first[2], jnp.float32))
 
 
+def reduce_add(part, smem, dest, partials: bool, pending: int = 0):
+  """dest (a float32 global-memory ref) += part, by a TMA reduce-add from the shared-memory tile
+  `smem` once the last reduce-add from it has read it: once at most `pending` of this thread's
+  copies are still reading (those from the caller's other tiles, which it cycles through in
+  turn). With `partials` (the interpreter, which has no TMA reduction) a plain copy into a
+  destination of the caller's own, summed after."""
+  plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+  smem[...] = part
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, dest, reduction_op=None if partials else "add")
+
+
 def staging_scratch(interpret: bool, shape, dtype):
   """The shared-memory staging buffer `matmul_acc` needs in the interpreter (none compiled)."""
   return (plgpu.SMEM(shape, dtype, transforms=TILE_TRANSFORMS),) if interpret else ()

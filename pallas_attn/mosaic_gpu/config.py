@@ -91,7 +91,14 @@ class KernelConfig:
   # compute warpgroup multiplies its dS^T tile (through shared memory, transposed) by its K tile
   # and adds the [block_q, head_dim] float32 product into a zeroed dQ in global memory with a
   # TMA reduce-add. Costs 2 * block_q * head_dim * 4 + 2 * block_kv * block_q * 2 bytes of shared
-  # memory and a float32 dQ pass (zero, then scale and cast) outside the kernel.
+  # memory and a float32 dQ pass (zero, then scale and cast) outside the kernel. With
+  # head_split (FlashAttention-3's head_dim 256 backward): each warpgroup multiplies the key
+  # tile's dS (the dS^T tile the two share, read transposed) by its half of K's columns, the
+  # wgmma issued behind its dK wgmma, and reduce-adds that [block_q, head_dim / 2] half (in
+  # two quarters at head_dim 256); the float32 parts take 2 * block_q * head_dim / 2 * 4 bytes
+  # (64 KiB at head_dim 256: only one stage of the q / dO ring fits beside them). H200, d256
+  # fwd+bwd: 0.64-0.71x the table's separate head-split kernels (one stage alone 0.77-0.84x;
+  # ~900-1400 B of spills a thread; benchmarks/NOTES.md session 16); off.
   fused_dq: bool = False
   # dK/dV with fused_dq, head_dim >= 128: FlashAttention-3's dQ layout. Each compute warpgroup
   # makes one half of dQ's columns, [block_q, head_dim / 2], from both warpgroups' dS^T tiles
@@ -274,8 +281,14 @@ class KernelConfig:
                        f"slot is waited for), got stages={self.stages}")
     if self.fused_dq and self.split_dkv:
       raise ValueError("fused_dq needs dK and dV from one launch (split_dkv=False)")
-    if self.head_split and (self.split_dkv or self.fused_dq):
-      raise ValueError("head_split is a layout of its own: it takes no split_dkv or fused_dq")
+    if self.head_split and (self.split_dkv or self.dq_column_halves or self.co_issue_dq
+                            or self.dq_step_late):
+      raise ValueError("head_split is a layout of its own: it takes no split_dkv, "
+                       "dq_column_halves, co_issue_dq or dq_step_late (its fused dQ is made in "
+                       "column halves, issued behind dK's wgmma, already)")
+    if self.head_split and self.fused_dq and self.dp_ahead:
+      raise ValueError("head_split with fused_dq takes no dp_ahead (warpgroup 1's dQ part needs "
+                       "the query block and head that its dp_ahead loop does not walk)")
     if self.dp_ahead and not (self.head_split and self.stages >= 2):
       raise ValueError(f"dp_ahead is a head_split option and needs stages >= 2, got "
                        f"head_split={self.head_split}, stages={self.stages}")
@@ -349,13 +362,14 @@ def backward_configs(dq_cfg: KernelConfig, dkv_cfg: KernelConfig,
                      key_tile_blocks) -> tuple[KernelConfig, KernelConfig]:
   """(dQ config, dK/dV config) of the backward, the key tiles of dkv_cfg visiting
   `key_tile_blocks` query blocks each: the two given, or where dkv_cfg is fused but
-  `fuses_dq` says not here, dq_cfg and dkv_cfg unfused in dq_cfg's tiles and with its dP
-  co-issue and register split (the two kernels then share one block table)."""
+  `fuses_dq` says not here, dq_cfg and dkv_cfg unfused in dq_cfg's tiles and stages and with
+  its dP co-issue and register split (the two kernels then share one block table)."""
   if not dkv_cfg.fused_dq or dkv_cfg.fuses_dq(key_tile_blocks):
     return dq_cfg, dkv_cfg
   return dq_cfg, dataclasses.replace(
       dkv_cfg, **UNFUSED_DQ, block_q=dq_cfg.block_q, block_kv=dq_cfg.block_kv,
-      co_issue_dp=dq_cfg.co_issue_dp, compute_registers=dq_cfg.compute_registers)
+      stages=dq_cfg.stages, co_issue_dp=dq_cfg.co_issue_dp,
+      compute_registers=dq_cfg.compute_registers)
 
 
 # SMs of an H100 / H200 SXM: the CTAs of a persistent forward (`KernelConfig.persistent`) when no

@@ -12,7 +12,12 @@ rows and split the work of each query block by kind:
   from registers, warpgroup 1 from shared memory), warpgroup 1's while warpgroup 0 reads dP^T,
   makes dS^T = P^T * (dP^T - delta) (times the modifiers' derivative) and writes it to shared
   memory;
-- then its half of dK's: dK[:, half] += dS^T Q[:, half].
+- then its half of dK's: dK[:, half] += dS^T Q[:, half];
+- with `fused_dq` (FlashAttention-3's head_dim 256 backward, no dQ kernel), behind it its half
+  of the query block's dQ, dS K[:, half] (dS^T's tile read transposed, K's columns of this
+  half, which no other warpgroup rewrites), reduce-added in float32 into a zeroed dQ
+  (`bwd.dqkv`): five matmuls per tile pair in all, the dQ kernel's three (S, dP, dQ) saved but
+  one.
 
 Four matmuls per tile pair, two per warpgroup, once (the two launches of `split_dkv` make five,
 S^T twice), with [64, 128] float32 accumulators: 64 + 64 registers, as at head_dim 128.
@@ -53,12 +58,12 @@ _SCORES, _DP = 0, 1  # the two compute warpgroups' jobs
 
 
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref, mod_refs,
-                table_refs, dk_ref, dv_ref,
+                table_refs, dq_acc_ref, dk_ref, dv_ref,
                 k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, pt_smem, dst_smem,
                 dpt_smem, staging, kv_full, q_full, do_full, lse_full, delta_full, slot_free,
-                dpt_full, dpt_free, pt_full, ds_full, ds_free, halves_written, *,
+                dpt_full, dpt_free, pt_full, ds_full, ds_free, halves_written, *dq_smem,
                 spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-                num_q_blocks: int, groups: int, mods: mods_lib.KernelMods):
+                num_q_blocks: int, groups: int, mods: mods_lib.KernelMods, dq_partials: bool):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -89,6 +94,46 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   rows = (batch, pl.ds(kv_start, block_kv), kv_head)
   acc_shape = (block_kv, head_dim // 2)
   stage = staging[0].at[wg] if staging else None  # (the interpreter's register operands)
+  if dq_acc_ref is not None:  # cfg.fused_dq
+    (dq_out_smem,) = dq_smem
+    # Interpreted, each key tile writes its own partial dQ (see `bwd.dqkv`).
+    dq_dest = dq_acc_ref.at[lax.axis_index("kv_tiles")] if dq_partials else dq_acc_ref
+
+  def dk_and_dq(dk, dst, slot, qi, g, half, *, dst_in_smem: bool):
+    """dK[:, half] += dS^T Q[:, half] (dst: dS^T in registers, or its shared-memory tile), and
+    with fused_dq this warpgroup's half of the block's dQ part, dS K[:, half] (dS^T's tile read
+    transposed), in parts of [block_q, head_dim / 4] where those are whole 64-column tiles
+    (`_dq_parts`; a whole [64, 128] float32 half spilled as much, benchmarks/NOTES.md session
+    16): the first issued behind dK's wgmma and awaited with it, each reduce-added while the
+    next runs. Returns (dK, the last part, still to be reduce-added, or None)."""
+    accumulating = (dk, dst, q_smem.at[slot, :, half])
+    if dq_acc_ref is None:
+      if dst_in_smem:
+        return common.matmul_acc_smem(*accumulating, stage is not None), None
+      return common.matmul_acc(*accumulating, stage), None
+    parts = _dq_parts(half)
+    dq_pairs = lambda cols: [(dst_smem.T, k_smem.at[:, cols])]
+    dq_shape = (block_q, parts[0].size)
+    if stage is not None and dst_in_smem:  # (interpreted: no staging of a smem operand)
+      dk, part = (common.matmul_acc_smem(*accumulating, True),
+                  common.matmul_sum(dq_pairs(parts[0]), dq_shape))
+    else:
+      (dk,), part = common.matmul_accs_then_product(
+          (accumulating,), lambda: dq_pairs(parts[0]), dq_shape, stage)
+    for i in range(1, len(parts)):
+      reduce_dq(part, qi, g, parts, i - 1)
+      part = common.matmul_sum(dq_pairs(parts[i]), dq_shape)
+    return dk, part
+
+  def reduce_dq(part, qi, g, parts, i):
+    """dQ[qi block, query head g of the group, parts[i]] += part (none without fused_dq),
+    through this warpgroup's shared-memory tile i (a reduce-add still reading is from the
+    other tile, if any)."""
+    if part is None:
+      return
+    i %= len(parts)  # (-1: the last)
+    dest = dq_dest.at[batch, pl.ds(qi * block_q, block_q), kv_head * groups + g, parts[i]]
+    common.reduce_add(part, dq_out_smem.at[wg, i], dest, dq_partials, pending=len(parts) - 1)
 
   def wait_filled(slot):
     plgpu.barrier_wait(q_full.at[slot])
@@ -155,9 +200,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)), chain)
       dst = dst.astype(dtype)
       dst_smem[...] = dst
-      plgpu.commit_smem()  # for warpgroup 1's dK wgmma
+      plgpu.commit_smem()  # for warpgroup 1's dK wgmma (and both dQ wgmmas)
       plgpu.barrier_arrive(ds_full)
-      dk = common.matmul_acc(dk, dst, q_smem.at[slot, :, half], stage)
+      dk, dq = dk_and_dq(dk, dst, slot, qi, g, half, dst_in_smem=False)
+      reduce_dq(dq, qi, g, _dq_parts(half), -1)
       return dk, dv
 
     dk, dv, count = walk(step)
@@ -173,7 +219,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     half = _half(_DP, head_dim)
 
     def step(slot, qi, g, acc, count, *, masked):
-      del qi, g, masked  # (warpgroup 0 applies the mask and the modifiers)
+      del masked  # (warpgroup 0 applies the mask and the modifiers)
       dk, dv = acc
       wait_filled(slot)
       dpt = common.matmul(v_smem, do_smem.at[slot].T, (block_kv, block_q))  # dP^T
@@ -184,8 +230,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_wait(pt_full)  # dV's wgmma runs while warpgroup 0 makes dS^T
       dv = common.matmul_acc_smem(dv, pt_smem, do_smem.at[slot, :, half], stage is not None)
       plgpu.barrier_wait(ds_full)
-      dk = common.matmul_acc_smem(dk, dst_smem, q_smem.at[slot, :, half], stage is not None)
+      dk, dq = dk_and_dq(dk, dst_smem, slot, qi, g, half, dst_in_smem=True)
       plgpu.barrier_arrive(ds_free)
+      reduce_dq(dq, qi, g, _dq_parts(half), -1)
       return dk, dv
 
     def dpt_of(slot):
@@ -294,6 +341,15 @@ def _half(warpgroup: int, head_dim: int):
   return pl.ds(warpgroup * (head_dim // 2), head_dim // 2)
 
 
+def _dq_parts(half):
+  """The column ranges a warpgroup makes its `half` of the fused dQ in (a pl.ds of static
+  bounds): two quarters of dQ where each is a whole number of 64-column tiles of K (head_dim
+  256), else the half."""
+  if half.size % 128:
+    return [half]
+  return [pl.ds(half.start + i * (half.size // 2), half.size // 2) for i in range(2)]
+
+
 def _store_halves(dk, dv, k_smem, v_smem, out_ref, rows, half, dtype, written):
   """This warpgroup's column halves of dK and dV into the K and V tiles (the other warpgroup's
   last read of them is behind the last meeting: warpgroup 0 reads K before it signals dS^T,
@@ -312,32 +368,41 @@ def _store_halves(dk, dv, k_smem, v_smem, out_ref, rows, half, dtype, written):
 
 def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, *, scale: float,
         spec: mask_lib.MaskSpec, cfg: config_lib.KernelConfig, interpret: bool,
-        mods: mods_lib.KernelMods):
+        mods: mods_lib.KernelMods, dq_acc=None):
   """(dK, dV) [B, S, Hkv, D] in k.dtype, summed over each kv head's query-head group; arguments
   as in `bwd.dkv`, `mod_arrays` already transposed to [keys, queries], `table` from
-  `block_table.key_major(..., rows_per_cta=1)` at (cfg.block_q, cfg.block_kv) or None."""
+  `block_table.key_major(..., rows_per_cta=1)` at (cfg.block_q, cfg.block_kv) or None.
+  `dq_acc` (with cfg.fused_dq): the float32 ref the kernel adds the unscaled dQ into
+  (`bwd.dqkv`): [B, T, Hq, D], or interpreted one partial per key tile, [S / block_kv, B, T,
+  Hq, D]."""
+  if cfg.fused_dq != (dq_acc is not None):
+    raise ValueError(f"the head-split dK/dV kernel takes dq_acc exactly when cfg.fused_dq, got "
+                     f"fused_dq={cfg.fused_dq} and dq_acc {'given' if dq_acc is not None else 'None'}")
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   _check_head_dim(head_dim)
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
                              num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv,
-                             mods=mods)
+                             mods=mods, dq_partials=interpret)
   grid, grid_names = cfg.grid(heads=heads_kv, tiles=kv_len // cfg.block_kv, batch=batch,
                               tile_axis="kv_tiles")
   return common.warp_specialized(
       kernel, lambda interp: dkv_scratch_types(cfg, head_dim, q.dtype, interp),
       out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, grid=grid, grid_names=grid_names,
       what=f"the head-split dK/dV kernel with {cfg}", reduces=False,
-      interpret=interpret)(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table)
+      interpret=interpret)(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table,
+                           dq_acc)
 
 
 def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
   """The dK/dV kernel's shared memory and barriers (the order `_dkv_kernel` takes them in).
   head_dim 256, blocks of 64, 2 stages: K, V 64 KiB; q, dO ring 128 KiB; P^T, dS^T 16 KiB; dP^T
-  16 KiB; lse and delta 2 KiB: 226 KiB."""
+  16 KiB; lse and delta 2 KiB: 226 KiB. With fused_dq the two float32 dQ halves, 64 KiB at
+  head_dim 256: one stage, 226 KiB."""
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
-  meeting = plgpu.Barrier  # one warpgroup arrives, the other waits
+  meeting = plgpu.Barrier
+  parts = _dq_parts(_half(0, head_dim))  # one warpgroup arrives, the other waits
   return [
       tile(cfg.block_kv, head_dim),  # k, then dk out
       tile(cfg.block_kv, head_dim),  # v, then dv out
@@ -355,6 +420,9 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
       meeting(), meeting(),  # dP^T written, read
       meeting(), meeting(), meeting(),  # P^T written, dS^T written, both read
       plgpu.Barrier(num_arrivals=_WGS),  # both halves of dK and dV written
+      # fused_dq: each warpgroup's parts of the dQ part, out by reduce-add
+      *([common.f32_tile((_WGS, len(parts), cfg.block_q, parts[0].size), cfg.swizzle_f32)]
+        if cfg.fused_dq else []),
   ]
 
 
