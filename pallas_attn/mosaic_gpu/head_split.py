@@ -376,8 +376,9 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, *,
   (`bwd.dqkv`): [B, T, Hq, D], or interpreted one partial per key tile, [S / block_kv, B, T,
   Hq, D]."""
   if cfg.fused_dq != (dq_acc is not None):
+    given = "given" if dq_acc is not None else "None"
     raise ValueError(f"the head-split dK/dV kernel takes dq_acc exactly when cfg.fused_dq, got "
-                     f"fused_dq={cfg.fused_dq} and dq_acc {'given' if dq_acc is not None else 'None'}")
+                     f"fused_dq={cfg.fused_dq} and dq_acc {given}")
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   _check_head_dim(head_dim)
@@ -401,8 +402,8 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
   head_dim 256: one stage, 226 KiB."""
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
-  meeting = plgpu.Barrier
-  parts = _dq_parts(_half(0, head_dim))  # one warpgroup arrives, the other waits
+  meeting = plgpu.Barrier  # one warpgroup arrives, the other waits
+  parts = _dq_parts(_half(0, head_dim))  # (fused_dq)
   return [
       tile(cfg.block_kv, head_dim),  # k, then dk out
       tile(cfg.block_kv, head_dim),  # v, then dv out
