@@ -105,12 +105,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     transposed), in parts of [block_q, head_dim / 4] where those are whole 64-column tiles
     (`_dq_parts`; a whole [64, 128] float32 half spilled as much, benchmarks/NOTES.md session
     16): the first issued behind dK's wgmma and awaited with it, each reduce-added while the
-    next runs. Returns (dK, the last part, still to be reduce-added, or None)."""
+    next runs. Returns (dK, a thunk that reduce-adds the last part: nothing without fused_dq),
+    for warpgroup 1 to call once it has released the dS^T tile."""
     accumulating = (dk, dst, q_smem.at[slot, :, half])
     if dq_acc_ref is None:
       if dst_in_smem:
-        return common.matmul_acc_smem(*accumulating, stage is not None), None
-      return common.matmul_acc(*accumulating, stage), None
+        return common.matmul_acc_smem(*accumulating, stage is not None), lambda: None
+      return common.matmul_acc(*accumulating, stage), lambda: None
     parts = _dq_parts(half)
     dq_pairs = lambda cols: [(dst_smem.T, k_smem.at[:, cols])]
     dq_shape = (block_q, parts[0].size)
@@ -123,15 +124,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     for i in range(1, len(parts)):
       reduce_dq(part, qi, g, parts, i - 1)
       part = common.matmul_sum(dq_pairs(parts[i]), dq_shape)
-    return dk, part
+    return dk, functools.partial(reduce_dq, part, qi, g, parts, len(parts) - 1)
 
   def reduce_dq(part, qi, g, parts, i):
-    """dQ[qi block, query head g of the group, parts[i]] += part (none without fused_dq),
-    through this warpgroup's shared-memory tile i (a reduce-add still reading is from the
-    other tile, if any)."""
-    if part is None:
-      return
-    i %= len(parts)  # (-1: the last)
+    """dQ[qi block, query head g of the group, parts[i]] += part, through this warpgroup's
+    shared-memory tile i (a reduce-add still reading is from the other tile, if any)."""
     dest = dq_dest.at[batch, pl.ds(qi * block_q, block_q), kv_head * groups + g, parts[i]]
     common.reduce_add(part, dq_out_smem.at[wg, i], dest, dq_partials, pending=len(parts) - 1)
 
@@ -202,8 +199,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dst_smem[...] = dst
       plgpu.commit_smem()  # for warpgroup 1's dK wgmma (and both dQ wgmmas)
       plgpu.barrier_arrive(ds_full)
-      dk, dq = dk_and_dq(dk, dst, slot, qi, g, half, dst_in_smem=False)
-      reduce_dq(dq, qi, g, _dq_parts(half), -1)
+      dk, reduce_last_dq = dk_and_dq(dk, dst, slot, qi, g, half, dst_in_smem=False)
+      reduce_last_dq()
       return dk, dv
 
     dk, dv, count = walk(step)
@@ -230,9 +227,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_wait(pt_full)  # dV's wgmma runs while warpgroup 0 makes dS^T
       dv = common.matmul_acc_smem(dv, pt_smem, do_smem.at[slot, :, half], stage is not None)
       plgpu.barrier_wait(ds_full)
-      dk, dq = dk_and_dq(dk, dst_smem, slot, qi, g, half, dst_in_smem=True)
+      dk, reduce_last_dq = dk_and_dq(dk, dst_smem, slot, qi, g, half, dst_in_smem=True)
       plgpu.barrier_arrive(ds_free)
-      reduce_dq(dq, qi, g, _dq_parts(half), -1)
+      reduce_last_dq()
       return dk, dv
 
     def dpt_of(slot):
