@@ -12,7 +12,9 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 
+from benchmarks import bwd_parts  # noqa: E402
 from benchmarks import compile_cache  # noqa: E402
+from benchmarks import fused_dq_probe  # noqa: E402
 from benchmarks import impls  # noqa: E402
 from benchmarks import masking  # noqa: E402
 from benchmarks import precompile  # noqa: E402
@@ -403,6 +405,49 @@ def test_tune_variants_are_valid_or_say_why_not():
                "dkv_dq_halves", "dkv_dq_halves_1st"):
     assert tune.why_not(name, d128, jnp.bfloat16) is None, name
   assert tune.why_not("fwd_kv256", d128, jnp.bfloat16).startswith("does not fit")
+
+
+# ---- benchmarks/bwd_parts.py and fused_dq_probe.py: the backward taken apart ------------------
+
+def test_bwd_parts_agree_and_are_timed_in_the_interpreter():
+  """The parts are the real kernels: the separate dQ and dK/dV kernels, the fused one and the
+  table's backward give the same gradients (interpreted, 128 rows of head_dim 128), and every
+  part gets a timed row; the fit of two lengths names each part."""
+  q, k, v, d_out = bwd_parts._inputs(1, 128, 1, 128, jnp.bfloat16, seed=3)
+  lengths = jnp.full((1,), 128, jnp.int32)
+  out = jax.nn.dot_product_attention(q, k, v).astype(q.dtype)
+  lse = jax.nn.logsumexp(jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(128),
+                         axis=-1)
+  fns = bwd_parts.parts(128, is_causal=False, interpret=True)
+  args = (q, k, v, d_out, out, lse, lengths)
+  dq, (dk, dv) = fns["dq"](*args), fns["dkv"](*args)
+  for grads in (fns["dqkv"](*args), fns["backward"](*args)):
+    for got, want in zip(grads, (dq, dk, dv)):
+      assert float(jnp.max(jnp.abs(got.astype(jnp.float32) - want.astype(jnp.float32)))) <= (
+          2e-2 * float(jnp.max(jnp.abs(want.astype(jnp.float32)))))
+  cfg = timing.TimingConfig(warmup=1, repeats=1, max_calls=1)
+  rows = [row for seq in (128, 256) for row in bwd_parts.run_shape(128, seq, False, True, cfg,
+                                                                    tokens=seq, hidden=128)]
+  assert {row["part"] for row in rows} == set(fns) and all(row["ms"] > 0 for row in rows)
+  fit = bwd_parts.fit(rows)
+  assert all(f"| {part} |" in fit for part in fns)
+
+
+def test_fused_dq_probes_lower_for_cuda_and_put_common_back():
+  """Every probe of every set lowers for CUDA (128 rows), and the functions it swaps into
+  `common` while it traces are the originals again after."""
+  from pallas_attn.mosaic_gpu import common
+  originals = common.reduce_add, common.matmul_accs_then_product
+  q = jax.ShapeDtypeStruct((1, 128, 1, 128), jnp.bfloat16)
+  stats = jax.ShapeDtypeStruct((1, 1, 128), jnp.float32)
+  lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
+  args = (q, q, q, q, stats, stats, lengths)
+  for name in ("reduce", "parts", "knobs"):
+    for probe in fused_dq_probe.probes(name).values():
+      text = fused_dq_probe.lowered(*probe, args, pallas_attn.MaskSpec(),
+                                    platforms=("cuda",)).as_text()
+      assert "mosaic_gpu" in text
+  assert (common.reduce_add, common.matmul_accs_then_product) == originals
 
 
 def test_tune_parses_ptxas_output():

@@ -325,9 +325,12 @@ def test_interpreted_variants_match_reference(variant, case, seed):
 
 
 _PERSISTENT_FORWARDS = [
-    # head_dim 256: the output goes through the q tile (no room for its own), so each next q
-    # waits for the store.
-    pytest.param(256, _K(64, 64, persistent=True), {}, id="d256-shared_out_tile"),
+    # head_dim 256: the output goes out in two column halves through a half-width tile of its
+    # own (no room for a whole one).
+    pytest.param(256, _K(64, 64, persistent=True), {}, id="d256-out_tile_halves"),
+    # head_dim 128 with 192-key blocks: no room for even half a tile; the output goes through
+    # the q tile, so each next q waits for the store.
+    pytest.param(128, _K(64, 192, persistent=True), {}, id="d128-kv192-shared_out_tile"),
     # The block-table walk (segment ids) and every modifier that reads per-item arrays.
     pytest.param(64, _K(64, 64, persistent=True, reverse_q_tiles=True), dict(
         q_segment_ids=True, logits_soft_cap=20.0, dropout_rate=0.1, kv_lengths=[203, 120]),
@@ -407,7 +410,8 @@ _LOWERED_VARIANTS = [
     (128, {"fwd": _K(64, 128, persistent=True)}),
     (64, {"fwd": _K(64, 128, stages=3, overlap_qk=True, fold_scale=True, reverse_q_tiles=True,
                     grid_order=("heads", "batch", "tiles"), persistent=True)}),
-    (256, {"fwd": _K(64, 64, persistent=True)}),  # the output through the q tile
+    (256, {"fwd": _K(64, 64, persistent=True)}),  # the output in two column halves
+    (128, {"fwd": _K(64, 192, persistent=True)}),  # the output through the q tile
     (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
                      persistent_max_blocks=1 << 20, pair_q_tiles=True)}),
     (64, {"fwd": _THREE_WGS}),
@@ -620,15 +624,18 @@ def test_persistent_max_blocks_picks_the_grid():
 
 
 def test_persistent_output_tile_where_it_fits():
-  """A persistent forward stores its output through a tile of its own at head_dim 64 and 128
-  (192 KiB at 128), through the q tile at 256 (256 KiB would not fit)."""
+  """A persistent forward stores its output through a whole tile of its own at head_dim 64 and
+  128 (192 KiB at 128), through a half-width one at 256 (a whole one: 256 KiB; a half: 225),
+  through the q tile where not even a half fits (128 with 192-key blocks)."""
   from pallas_attn.mosaic_gpu import common, fwd
-  assert fwd._separate_output(_K(64, 128, persistent=True), 128, jnp.bfloat16)
-  assert fwd._separate_output(_K(64, 128, stages=3, persistent=True), 64, jnp.bfloat16)
-  assert not fwd._separate_output(_K(64, 64, persistent=True), 256, jnp.bfloat16)
-  assert not fwd._separate_output(_K(64, 128), 128, jnp.bfloat16)
-  scratch = fwd.scratch_types(_K(64, 128, persistent=True), 128, jnp.bfloat16, interpret=False)
-  assert common.smem_bytes(scratch) <= config_lib.SMEM_BYTES
+  assert fwd.out_tile_columns(_K(64, 128, persistent=True), 128, jnp.bfloat16) == 128
+  assert fwd.out_tile_columns(_K(64, 128, stages=3, persistent=True), 64, jnp.bfloat16) == 64
+  assert fwd.out_tile_columns(_K(64, 64, persistent=True), 256, jnp.bfloat16) == 128
+  assert fwd.out_tile_columns(_K(64, 192, persistent=True), 128, jnp.bfloat16) == 0
+  assert fwd.out_tile_columns(_K(64, 128), 128, jnp.bfloat16) == 0
+  for cfg, head_dim in [(_K(64, 128, persistent=True), 128), (_K(64, 64, persistent=True), 256)]:
+    scratch = fwd.scratch_types(cfg, head_dim, jnp.bfloat16, interpret=False)
+    assert common.smem_bytes(scratch) <= config_lib.SMEM_BYTES
 
 
 @pytest.mark.parametrize("head_dim,pass_,cfg", [(128, "dq", _K(64, 128, stages=3)),
@@ -886,6 +893,13 @@ _PERSISTENT_GPU = {
                                          [1000, 555, 0], _K(64, 128, persistent=True)),
     "b2_s2000_h8_d256_causal": (2, 2000, 8, 8, 256, True, None, None,
                                 _K(64, 64, persistent=True)),
+    # head_dim 256 as the table runs short rows (its output in two column halves); head_dim
+    # 128 with 192-key blocks, whose output goes through the q tile.
+    "b32_s512_h8_d256": (32, 512, 8, 8, 256, False, None, None,
+                         _K(64, 64, overlap_qk=True, ping_pong=False, fold_scale=True,
+                            persistent=True, pair_q_tiles=True)),
+    "b4_s1000_h8_d128_kv192_lengths": (4, 1000, 8, 8, 128, False, None, [1000, 700, 64, 999],
+                                       _K(64, 192, persistent=True)),
     # Tile pairs (T - 1 - t, t) as units, with the overlap as the table runs them.
     "b16_s1024_h16_d128_causal_pairs": (
         16, 1024, 16, 16, 128, True, None, None,

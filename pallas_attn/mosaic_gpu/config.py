@@ -118,9 +118,9 @@ class KernelConfig:
   # pays once per SM: the K/V ring runs on across tiles (its slot counter carries over, so the
   # next tile's first blocks load under this tile's last ones), each compute warpgroup loads its
   # next q tile right after its last QK^T of this one, and the output goes through its own
-  # shared-memory tile (when it fits the 227 KiB: not at head_dim 256, where the output reuses
-  # the q tile and the next q waits for the store to read it). A field of this frozen dataclass
-  # like the others, so it keys jax's caches and the tuner can vary it.
+  # shared-memory tile (when it fits the 227 KiB; at head_dim 256 a half-width one, through
+  # which the output goes in two column halves: `fwd.out_tile_columns`). A field of this frozen
+  # dataclass like the others, so it keys jax's caches and the tuner can vary it.
   persistent: bool = False
   # Forward: the persistent grid where the query tiles visit few key blocks (whatever
   # `persistent` says): at most `persistent_max_blocks` on average where the tiles visit about
@@ -392,10 +392,12 @@ NUM_SMS = 132
 # Forward, all head dims: the persistent grid with tile pairs where the query tiles visit few key
 # blocks (H200, one tuner run over the FlashAttention sweep, N 512-16384; ratios to the one-tile
 # grid): head_dim 64 1.36-1.04x up to 32 blocks of 128 keys (N 4096), 0.98-0.99 beyond; head_dim
-# 128 1.22-1.04x up to 16 (N 2048), 0.94-0.99 beyond; head_dim 256 0.87-0.97 at every length (its
-# output goes through the q tile, so each next q waits for the store): never. Causal (skewed)
-# tiles: 1.38-1.03x up to 32.5 blocks on average at every head dim, 1.01 at 64.5: up to 48
-# (benchmarks/NOTES.md session 12).
+# 128 1.22-1.04x up to 16 (N 2048), 0.94-0.99 beyond. Causal (skewed) tiles: 1.38-1.03x up to
+# 32.5 blocks on average at every head dim, 1.01 at 64.5: up to 48 (benchmarks/NOTES.md session
+# 12). head_dim 256, whose output goes out in two column halves through a half-width tile (a
+# whole one does not fit; through the q tile, session 12's 0.87-0.97x): 1.05 / 1.03x at N 512 /
+# 1024 (8 / 16 blocks of 64 keys), 0.91-0.99 beyond; causal 1.10-1.11x at N 512-2048 and
+# 1.08 / 1.06 / 1.04x at 4096 / 8192 / 16384 (32.5-128.5 blocks): up to 160 (session 17).
 # head_dim 64 forward: three compute warpgroups (192-row CTAs, no ping-pong; H200, fa sweep N
 # 512-16384: 1.09-1.15x the two-warpgroup ping-pong forward, causal 0.98-1.11x; 3 stages
 # 1.04-1.11x; the overlap 0.96-0.99x; benchmarks/NOTES.md session 12).
@@ -408,7 +410,8 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
                                ping_pong=False, persistent_max_blocks=16,
                                **_SHORT_ROWS_PERSISTENT),
     (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True, overlap_qk=True,
-                               ping_pong=False, **_SHORT_ROWS_PERSISTENT),
+                               ping_pong=False, persistent_max_blocks=16,
+                               **{**_SHORT_ROWS_PERSISTENT, "persistent_max_blocks_skewed": 160}),
     # head_dim 64's dQ kernel runs only where its dK/dV does not fuse dQ (causal rows of a few
     # blocks; see below): dP's wgmma co-issued in both kernels, as at 128 (H200, fwd+bwd at N
     # 512-2048 causal: 1.02-1.05x the separate kernels without it; NOTES session 14).

@@ -435,16 +435,24 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     # Natural-log lse; +inf marks rows that saw no key (see numerics).
     lse = jnp.where(no_keys | (rows >= q_length), numerics.EMPTY_LSE,
                     (m_i + jnp.log2(safe_l)) * common.LN2)
-    if persistent:  # the previous item's stores have read the output buffers
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    out_smem[...] = out.astype(dtype)
-    lse_smem.at[wg][...] = lse
-    plgpu.commit_smem()
+    out = out.astype(dtype)
+    rows_out = (batch, pl.ds(q_start, block_q), head)
+    out_columns = out_smem.shape[-1]  # (a persistent head_dim 256 forward: two halves in turn)
+    for part in range(head_dim // out_columns):
+      if persistent or part:  # the previous stores (this item's, or the last's) read the tile
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      columns = pl.ds(part * out_columns, out_columns)
+      out_smem[...] = out[:, part * out_columns:(part + 1) * out_columns]
+      if not part:
+        lse_smem.at[wg][...] = lse
+      plgpu.commit_smem()
 
-    @pl.when(in_rows(q_start))
-    def _store():
-      plgpu.copy_smem_to_gmem(out_smem, out_ref.at[batch, pl.ds(q_start, block_q), head])
-      plgpu.copy_smem_to_gmem(lse_smem.at[wg], lse_ref.at[batch, head, pl.ds(q_start, block_q)])
+      @pl.when(in_rows(q_start))
+      def _store():
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[(*rows_out, columns)])
+        if not part:
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                  lse_ref.at[batch, head, pl.ds(q_start, block_q)])
     if persistent:
       if not o_smem:  # the output went through the q tile: the next q waits for the store
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -595,18 +603,25 @@ def _tile_blocks(spec: mask_lib.MaskSpec, num_q_tiles: int, cfg: config_lib.Kern
                                  cfg.block_kv, kv_len // cfg.block_kv)
 
 
-def _separate_output(cfg: config_lib.KernelConfig, head_dim: int, dtype) -> bool:
-  """Whether a persistent forward gets an output tile of its own in shared memory (when it fits
-  beside the rest), so the next q can load while this output is stored."""
+def out_tile_columns(cfg: config_lib.KernelConfig, head_dim: int, dtype) -> int:
+  """Columns of a persistent forward's own output tile in shared memory, so that the next q can
+  load while this output is stored: head_dim where a whole [block_q, head_dim] tile a warpgroup
+  fits beside the rest, else head_dim / 2 where a half does (head_dim 256: 64 KiB of q tiles
+  and 128 KiB of K/V ring leave 32 KiB, and the output is stored in two column halves, the
+  second written once the first's store has read the tile); 0 where neither fits, or not
+  persistent: the output goes through the q tile."""
   if not cfg.persistent:
-    return False
-  with_out = scratch_types(dataclasses.replace(cfg, persistent=False), head_dim, dtype, False)
-  with_out.append(_out_tile(cfg, head_dim, dtype))
-  return common.smem_bytes(with_out) <= config_lib.SMEM_BYTES
+    return 0
+  without = scratch_types(dataclasses.replace(cfg, persistent=False), head_dim, dtype, False)
+  # (A half is a whole number of 64-column tiles: 128-byte swizzled rows of 2-byte elements.)
+  for columns in (head_dim, head_dim // 2) if head_dim >= 128 else (head_dim,):
+    if common.smem_bytes([*without, _out_tile(cfg, columns, dtype)]) <= config_lib.SMEM_BYTES:
+      return columns
+  return 0
 
 
-def _out_tile(cfg: config_lib.KernelConfig, head_dim: int, dtype):
-  return plgpu.SMEM((cfg.compute_warpgroups, cfg.block_q, head_dim), dtype,
+def _out_tile(cfg: config_lib.KernelConfig, columns: int, dtype):
+  return plgpu.SMEM((cfg.compute_warpgroups, cfg.block_q, columns), dtype,
                     transforms=common.TILE_TRANSFORMS)
 
 
@@ -614,13 +629,14 @@ def scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret:
   """The forward kernel's shared memory and barriers (the order `_kernel` takes them in)."""
   wgs = cfg.compute_warpgroups
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
+  out_columns = out_tile_columns(cfg, head_dim, dtype)
   return [
       tile(wgs, cfg.block_q, head_dim),  # q in, then o out (unless the next), per warpgroup
       tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
       tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),  # lse out
-      # o out (persistent, when it fits: `_separate_output`)
-      (_out_tile(cfg, head_dim, dtype),) if _separate_output(cfg, head_dim, dtype) else (),
+      # o out (persistent, when it fits: `out_tile_columns`)
+      (_out_tile(cfg, out_columns, dtype),) if out_columns else (),
       common.staging_scratch(interpret, (wgs, cfg.block_q, cfg.block_kv), dtype),
       plgpu.Barrier(num_barriers=wgs),  # q loaded
       plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled

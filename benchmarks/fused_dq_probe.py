@@ -1,0 +1,169 @@
+"""Where the fused dK/dV/dQ kernel's time goes: the kernel with parts of its dQ work taken out.
+
+  python -m benchmarks.fused_dq_probe --probes parts --seqs 16384,4096 --out $OUT/probe.jsonl
+
+A timing probe, not a variant: the probes that take work out (`store`, `skip_reduce`,
+`no_dq_mma`, ...) compute a wrong dQ on purpose (dK and dV stay right) and exist only to be
+timed against the real kernel, beside the unfused dK/dV kernel, all on the same inputs with
+their repeats interleaved (`timing.time_interleaved`). They swap functions of
+`pallas_attn.mosaic_gpu.common` while one call traces and compiles, and put them back after.
+head_dim 128's table layout (the fused dQ in column halves, a step late), forced fused at every
+length; GPU only (it compiles). benchmarks/NOTES.md session 17 has the numbers.
+
+Probe sets (--probes):
+- `reduce`: the TMA reduce-add as it is; a plain TMA store instead (same bytes, no reduction in
+  L2); none (the float32 part written to shared memory only); two grid orders.
+- `parts`: no dQ wgmma (the dS^T tiles still written and met on), and no reduce-add either; the
+  unfused dK/dV kernel as the table runs it (dP co-issued, 232 registers) and with the fused
+  kernel's own knobs (240 registers, no dP co-issue).
+- `knobs`: the fused kernel with its float32 tile swizzled, with dP co-issued, and both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from benchmarks import timing
+import pallas_attn
+from pallas_attn import numerics
+from pallas_attn.mosaic_gpu import bwd
+from pallas_attn.mosaic_gpu import common
+from pallas_attn.mosaic_gpu import config as config_lib
+from pallas_attn.mosaic_gpu import ops
+
+HEAD_DIM = 128
+HEADS = 16
+TOKENS = 16384
+
+
+def _store_instead(part, smem, dest, partials, pending=0):
+  """common.reduce_add's copy without its reduction: a plain TMA store (dQ wrong)."""
+  del partials
+  plgpu.wait_smem_to_gmem(pending, wait_read_only=True)
+  smem[...] = part
+  plgpu.commit_smem()
+  plgpu.copy_smem_to_gmem(smem, dest)
+
+
+def _no_copy(part, smem, dest, partials, pending=0):
+  """The float32 part written to shared memory, never copied out (dQ wrong)."""
+  del dest, partials, pending
+  smem[...] = part
+  plgpu.commit_smem()
+
+
+def _without_product(accumulating, between, shape, staging=None):
+  """common.matmul_accs_then_product without the product's wgmmas: `between()` still writes
+  the dS^T tiles and meets; the part is zeros (dQ wrong)."""
+  del staging
+
+  def issue(acc_refs):
+    for acc_ref, (_, lhs, rhs) in zip(acc_refs, accumulating):
+      plgpu.wgmma(acc_ref, lhs, rhs)
+    between()
+
+  accs = pl.run_state(issue)(tuple(plgpu.ACC.init(acc) for acc, _, _ in accumulating))
+  plgpu.wgmma_wait(0)
+  return accs, plgpu.layout_cast(jnp.zeros(shape, jnp.float32), common.WGMMA)
+
+
+def probes(name: str) -> dict:
+  """{probe: (swaps of `common` functions, dK/dV config, fused)} of probe set `name`."""
+  table = config_lib.dkv_config(HEAD_DIM)
+  fused = dataclasses.replace(table, separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0)
+  never = dataclasses.replace(table, separate_dq_max_blocks=1 << 30,
+                              separate_dq_max_blocks_skewed=1 << 30)
+  unfused_table = config_lib.backward_configs(config_lib.dq_config(HEAD_DIM), never, [1])[1]
+  no_reduce = dict(reduce_add=_no_copy)
+  no_product = dict(matmul_accs_then_product=_without_product)
+  sets = {
+      "reduce": {
+          "store": (dict(reduce_add=_store_instead), fused, True),
+          "skip_reduce": (no_reduce, fused, True),
+          "tiles_first": ({}, dataclasses.replace(fused, grid_order=("tiles", "heads", "batch")),
+                          True),
+          "tiles_last": ({}, dataclasses.replace(fused, grid_order=("heads", "batch", "tiles")),
+                         True),
+      },
+      "parts": {
+          "skip_reduce": (no_reduce, fused, True),
+          "no_dq_mma": (no_product, fused, True),
+          "no_dq_mma_no_reduce": ({**no_product, **no_reduce}, fused, True),
+          "unfused_table": ({}, unfused_table, False),
+          "unfused_same_knobs": ({}, dataclasses.replace(fused, **config_lib.UNFUSED_DQ), False),
+      },
+      "knobs": {
+          "swizzle_f32": ({}, dataclasses.replace(fused, swizzle_f32=True), True),
+          "co_dp": ({}, dataclasses.replace(fused, co_issue_dp=True), True),
+          "co_dp_swizzle": ({}, dataclasses.replace(fused, co_issue_dp=True, swizzle_f32=True),
+                            True),
+      },
+  }
+  # The real kernel first (the ratios' base) and again last (the noise to read them against).
+  return {"fused": ({}, fused, True), **sets[name], "fused_again": ({}, fused, True)}
+
+
+def lowered(swaps: dict, cfg, fused: bool, args, spec, platforms=None):
+  """The probe's backward call on `args`, lowered (for `platforms`; None: this backend's) with
+  `swaps` in `common` while it traces."""
+  saved = {name: getattr(common, name) for name in swaps}
+  for name, fn in swaps.items():
+    setattr(common, name, fn)
+  try:
+    call = bwd.dqkv if fused else bwd.dkv
+    fn = jax.jit(lambda q, k, v, d_out, lse, delta, lengths: call(
+        q, k, v, d_out, lse, delta, lengths, lengths, scale=1 / math.sqrt(HEAD_DIM), spec=spec,
+        cfg=cfg, interpret=False))
+    return fn.trace(*args).lower(lowering_platforms=platforms)
+  finally:
+    for name, fn in saved.items():
+      setattr(common, name, fn)
+
+
+def run_shape(probe_set: str, seq: int, is_causal: bool) -> list[dict]:
+  batch = max(1, TOKENS // seq)
+  keys = jax.random.split(jax.random.key(0), 4)
+  q, k, v, d_out = (jax.random.normal(key, (batch, seq, HEADS, HEAD_DIM), jnp.bfloat16)
+                    for key in keys)
+  lengths = jnp.full((batch,), seq, jnp.int32)
+  spec = pallas_attn.MaskSpec(is_causal=is_causal)
+  out, lse = jax.jit(lambda q, k, v: ops.forward(q, k, v, lengths, lengths,
+                                                 scale=1 / math.sqrt(HEAD_DIM), spec=spec))(q, k, v)
+  args = (q, k, v, d_out, lse, numerics.delta(d_out, out), lengths)
+  fns = {name: lowered(*probe, args, spec).compile()
+         for name, probe in probes(probe_set).items()}
+  timings = timing.time_interleaved([(fn, args) for fn in fns.values()])
+  base = timings[0].ms
+  return [dict(probe_set=probe_set, probe=name, seq=seq, batch=batch, causal=is_causal, ms=t.ms,
+               ratio=base / t.ms, repeat_ms=t.repeat_ms) for name, t in zip(fns, timings)]
+
+
+def main(argv=None):
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--probes", choices=("reduce", "parts", "knobs"), default="parts")
+  parser.add_argument("--seqs", default="16384,4096")
+  parser.add_argument("--causal", default="false", help="comma list of false/true")
+  parser.add_argument("--out", default=None, help="JSON lines file for the rows")
+  args = parser.parse_args(argv)
+  if jax.default_backend() != "gpu":
+    raise SystemExit("fused_dq_probe compiles the kernels: it needs a Hopper GPU")
+  for is_causal in (c.strip() == "true" for c in args.causal.split(",")):
+    for seq in (int(s) for s in args.seqs.split(",")):
+      rows = run_shape(args.probes, seq, is_causal)
+      print(f"seq {seq} causal {is_causal}: " + ", ".join(
+          f"{r['probe']} {r['ms']:.3f} ms ({r['ratio']:.3f}x)" for r in rows), flush=True)
+      if args.out:
+        with open(args.out, "a") as f:
+          f.writelines(json.dumps(row) + "\n" for row in rows)
+
+
+if __name__ == "__main__":
+  main()
