@@ -27,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import timing
 import pallas_attn
@@ -46,21 +47,39 @@ def _inputs(batch: int, seq: int, heads: int, head_dim: int, dtype, seed: int = 
   return q, k, v, d_out
 
 
+def shape_arrays(head_dim: int, seq: int, is_causal: bool, interpret: bool,
+                 tokens: int = TOKENS, hidden: int = HIDDEN, dtype=jnp.bfloat16) -> tuple:
+  """(q, k, v, d_out, out, lse, lengths) of one sweep shape (batch * seq = `tokens`, heads *
+  head_dim = `hidden`): random normal inputs, out and lse from the table's forward."""
+  heads, batch = max(1, hidden // head_dim), max(1, tokens // seq)
+  q, k, v, d_out = _inputs(batch, seq, heads, head_dim, dtype)
+  lengths = jnp.full((batch,), seq, jnp.int32)
+  out, lse = jax.jit(lambda q, k, v: ops.forward(
+      q, k, v, lengths, lengths, scale=1.0 / math.sqrt(head_dim),
+      spec=pallas_attn.MaskSpec(is_causal=is_causal), interpret=interpret))(q, k, v)
+  return q, k, v, d_out, out, lse, lengths
+
+
+def layouts(head_dim: int) -> tuple:
+  """(dQ config, fused dK/dV config, unfused dK/dV config) at `head_dim`: the table's dQ; its
+  dK/dV layout that makes dQ, forced on at every length; and the dK/dV kernel the backward
+  runs beside the dQ kernel (the table's separate kernels)."""
+  dq_cfg = config_lib.dq_config(head_dim)
+  table_dkv = config_lib.dkv_config(head_dim)
+  if not table_dkv.fused_dq:  # head_dim 256: the head split's fused dQ is an option, one stage
+    return dq_cfg, dataclasses.replace(table_dkv, fused_dq=True, stages=1), table_dkv
+  fused = dataclasses.replace(table_dkv, separate_dq_max_blocks=0,
+                              separate_dq_max_blocks_skewed=0)
+  never = dataclasses.replace(table_dkv, separate_dq_max_blocks=1 << 30,
+                              separate_dq_max_blocks_skewed=1 << 30)
+  return dq_cfg, fused, config_lib.backward_configs(dq_cfg, never, [1])[1]
+
+
 def parts(head_dim: int, is_causal: bool, interpret: bool) -> dict:
   """{part name: fn(q, k, v, d_out, out, lse, lengths) -> arrays}, jitted."""
   scale = 1.0 / math.sqrt(head_dim)
   spec = pallas_attn.MaskSpec(is_causal=is_causal)
-  dq_cfg = config_lib.dq_config(head_dim)
-  table_dkv = config_lib.dkv_config(head_dim)
-  if table_dkv.fused_dq:
-    fused = dataclasses.replace(table_dkv, separate_dq_max_blocks=0,
-                                separate_dq_max_blocks_skewed=0)
-    never = dataclasses.replace(table_dkv, separate_dq_max_blocks=1 << 30,
-                                separate_dq_max_blocks_skewed=1 << 30)
-    unfused = config_lib.backward_configs(dq_cfg, never, [1])[1]
-  else:  # head_dim 256: the head split's fused dQ is an option, in one stage (what fits)
-    fused = dataclasses.replace(table_dkv, fused_dq=True, stages=1)
-    unfused = table_dkv
+  dq_cfg, fused, unfused = layouts(head_dim)
   common = dict(scale=scale, spec=spec, interpret=interpret)
 
   def delta(q, k, v, d_out, out, lse, lengths):
@@ -94,13 +113,8 @@ def parts(head_dim: int, is_causal: bool, interpret: bool) -> dict:
 
 def run_shape(head_dim: int, seq: int, is_causal: bool, interpret: bool, cfg: timing.TimingConfig,
               tokens: int = TOKENS, hidden: int = HIDDEN, dtype=jnp.bfloat16) -> list[dict]:
-  heads, batch = max(1, hidden // head_dim), max(1, tokens // seq)
-  q, k, v, d_out = _inputs(batch, seq, heads, head_dim, dtype)
-  lengths = jnp.full((batch,), seq, jnp.int32)
-  out, lse = jax.jit(lambda q, k, v: ops.forward(
-      q, k, v, lengths, lengths, scale=1.0 / math.sqrt(head_dim),
-      spec=pallas_attn.MaskSpec(is_causal=is_causal), interpret=interpret))(q, k, v)
-  args = (q, k, v, d_out, out, lse, lengths)
+  args = shape_arrays(head_dim, seq, is_causal, interpret, tokens, hidden, dtype)
+  batch, _, heads, _ = args[0].shape
   fns = parts(head_dim, is_causal, interpret)
   timings = timing.time_interleaved([(fn, args) for fn in fns.values()], cfg)
   return [dict(head_dim=head_dim, seq=seq, batch=batch, heads=heads, causal=is_causal, part=name,
@@ -117,12 +131,7 @@ def fit(rows: list[dict]) -> str:
   for part, points in by_part.items():
     if len(points) < 2:
       continue
-    n = len(points)
-    mean_x = sum(x for x, _ in points) / n
-    mean_y = sum(y for _, y in points) / n
-    slope = (sum((x - mean_x) * (y - mean_y) for x, y in points)
-             / sum((x - mean_x) ** 2 for x, _ in points))
-    fixed = mean_y - slope * mean_x
+    slope, fixed = np.polyfit(*zip(*points), 1)
     shortest = min(points)
     lines.append(f"| {part} | {fixed:.3f} | {slope * 1e3:.3f} | "
                  f"{fixed / shortest[1]:.1%} (seq {shortest[0]}) |")

@@ -31,17 +31,15 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from benchmarks import bwd_parts
 from benchmarks import timing
 import pallas_attn
 from pallas_attn import numerics
 from pallas_attn.mosaic_gpu import bwd
 from pallas_attn.mosaic_gpu import common
 from pallas_attn.mosaic_gpu import config as config_lib
-from pallas_attn.mosaic_gpu import ops
 
-HEAD_DIM = 128
-HEADS = 16
-TOKENS = 16384
+HEAD_DIM = 128  # (on bwd_parts' sweep shapes: 16 heads, batch * seq = 16384)
 
 
 def _store_instead(part, smem, dest, partials, pending=0):
@@ -77,11 +75,7 @@ def _without_product(accumulating, between, shape, staging=None):
 
 def probes(name: str) -> dict:
   """{probe: (swaps of `common` functions, dK/dV config, fused)} of probe set `name`."""
-  table = config_lib.dkv_config(HEAD_DIM)
-  fused = dataclasses.replace(table, separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0)
-  never = dataclasses.replace(table, separate_dq_max_blocks=1 << 30,
-                              separate_dq_max_blocks_skewed=1 << 30)
-  unfused_table = config_lib.backward_configs(config_lib.dq_config(HEAD_DIM), never, [1])[1]
+  _, fused, unfused_table = bwd_parts.layouts(HEAD_DIM)
   no_reduce = dict(reduce_add=_no_copy)
   no_product = dict(matmul_accs_then_product=_without_product)
   sets = {
@@ -129,15 +123,11 @@ def lowered(swaps: dict, cfg, fused: bool, args, spec, platforms=None):
 
 
 def run_shape(probe_set: str, seq: int, is_causal: bool) -> list[dict]:
-  batch = max(1, TOKENS // seq)
-  keys = jax.random.split(jax.random.key(0), 4)
-  q, k, v, d_out = (jax.random.normal(key, (batch, seq, HEADS, HEAD_DIM), jnp.bfloat16)
-                    for key in keys)
-  lengths = jnp.full((batch,), seq, jnp.int32)
+  q, k, v, d_out, out, lse, lengths = bwd_parts.shape_arrays(HEAD_DIM, seq, is_causal,
+                                                             interpret=False)
   spec = pallas_attn.MaskSpec(is_causal=is_causal)
-  out, lse = jax.jit(lambda q, k, v: ops.forward(q, k, v, lengths, lengths,
-                                                 scale=1 / math.sqrt(HEAD_DIM), spec=spec))(q, k, v)
   args = (q, k, v, d_out, lse, numerics.delta(d_out, out), lengths)
+  batch = q.shape[0]
   fns = {name: lowered(*probe, args, spec).compile()
          for name, probe in probes(probe_set).items()}
   timings = timing.time_interleaved([(fn, args) for fn in fns.values()])
