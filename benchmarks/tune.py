@@ -224,6 +224,18 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # dQ's wgmma left running into the next step (H200, session 10: 0.91-0.96x; off).
     "dq_in_flight": {"dq": dict(dq_in_flight=True)},
     "dq_in_flight_3st": {"dq": dict(dq_in_flight=True, stages=3)},
+    # FlashAttention-3's intra-warpgroup overlap in the backward: the step before's dQ wgmma
+    # (dK wgmma) issued behind this step's S and dP (S^T and dP^T), this step's dS made under
+    # it. The dK/dV ones run the separate dQ kernel at every length. H200, d128 fwd+bwd:
+    # 0.95-1.00x and 0.91-0.99x (benchmarks/NOTES.md session 18); off.
+    "overlap_dq": {"dq": dict(overlap_dq=True, stages=3)},
+    "overlap_dq_2st": {"dq": dict(overlap_dq=True)},
+    "overlap_dkv": {"dkv": _from_unfused(block_q=64, overlap_dkv=True, stages=3)},
+    "overlap_dkv_regs240": {"dkv": _from_unfused(block_q=64, overlap_dkv=True, stages=3,
+                                                 compute_registers=240)},
+    "overlap_dq_dkv": {"dq": dict(overlap_dq=True, stages=3),
+                       "dkv": _from_unfused(block_q=64, overlap_dkv=True, stages=3,
+                                            compute_registers=240)},
     # head_dim 128's backward before session 9 (every wgmma awaited before the next is issued).
     "no_co_issue": {"dq": dict(co_issue_dp=False),
                     "dkv": dict(co_issue_dp=False, co_issue_dkv=False)},
@@ -308,8 +320,8 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   or the same configs as the default's."""
   table_dkv = config_lib.kernel_config(shape.head_dim, "dkv")
   dkv_changes = VARIANTS[name].get("dkv", {})
-  if (dkv_changes.get("fused_dq") and not dkv_changes.get("head_split")
-      and (table_dkv.split_dkv or table_dkv.head_split)):
+  if ((dkv_changes.get("fused_dq") or dkv_changes.get("overlap_dkv"))
+      and not dkv_changes.get("head_split") and (table_dkv.split_dkv or table_dkv.head_split)):
     return f"does not apply: head_dim {shape.head_dim} splits dK and dV"
   if dkv_changes.get("co_issue_dq") and not dkv_changes.get("fused_dq", table_dkv.fused_dq):
     return (f"does not apply: co_issue_dq is the fused dQ's option, and head_dim "
@@ -317,7 +329,8 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   if (any(c.get("dp_ahead") for c in VARIANTS[name].values())
       and not config_lib.kernel_config(shape.head_dim, "dq").head_split):
     return f"does not apply: dp_ahead is a head_split option (head_dim 256), not {shape.head_dim}"
-  plain_dq_options = [option for option in ("dq_in_flight", "dq_lhs_in_registers")
+  plain_dq_options = [option
+                      for option in ("dq_in_flight", "dq_lhs_in_registers", "overlap_dq")
                       if VARIANTS[name].get("dq", {}).get(option)]
   if plain_dq_options and config_lib.kernel_config(shape.head_dim, "dq").head_split:
     return (f"does not apply: {plain_dq_options[0]} is the plain dQ kernel's, not head_dim "

@@ -165,6 +165,17 @@ _VARIANTS = {
     # 128 query rows a warpgroup over 64-key blocks: warpgroup 0's causal range ends two blocks
     # before warpgroup 1's, so it releases two ring slots (of 2) after its last dQ wgmma.
     "dq_in_flight_q128": {"dq": _K(128, 64, dq_in_flight=True), "dkv": _K(64, 64)},
+    # The step before's dQ wgmma issued behind this step's S and dP (dS kept in registers;
+    # interpreted, staged through shared memory), with 2 and 3 slots, and 128 query rows (the
+    # flush before a release: warpgroup 0 of a causal CTA skips two blocks after its last).
+    "overlap_dq": {"dq": _K(64, 64, stages=3, overlap_dq=True), "dkv": _K(64, 64)},
+    "overlap_dq_2stages": {"dq": _K(64, 64, overlap_dq=True), "dkv": _K(64, 64)},
+    "overlap_dq_q128": {"dq": _K(128, 64, overlap_dq=True), "dkv": _K(64, 64)},
+    # The same in the dK/dV kernel: the step before's dV and dK wgmmas behind this step's S^T
+    # and dP^T (carried across the GQA group's heads, flushed before a skipped block).
+    "overlap_dkv": {"dkv": _K(64, 64, stages=3, overlap_dkv=True)},
+    "overlap_dkv_2stages": {"dkv": _K(64, 64, overlap_dkv=True)},
+    "overlap_dkv_q128": {"dkv": _K(128, 64, overlap_dkv=True)},
     # Part of each score tile's exp2 on the FMA pipe: with the ping-pong (its masked columns
     # are the polynomial's at a causal diagonal), with the overlap, and every column.
     "exp2_fma": {"fwd": _K(64, 128, fold_scale=True, exp2_fma_cols=24)},
@@ -261,6 +272,14 @@ _VARIANT_CASES = [
     ("dq_in_flight", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
     ("dq_in_flight_3stages", _CAUSAL_203),  # up to 4 key blocks a CTA, 3 slots
     ("dq_in_flight_q128", _GQA_CAUSAL_LENGTHS_330),
+    ("overlap_dq", _CAUSAL_203.replace(head_dim=128)),
+    ("overlap_dq", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
+    ("overlap_dq_2stages", cases.get_case("window_l32_r8_203x113")),
+    ("overlap_dq_q128", _GQA_CAUSAL_LENGTHS_330),
+    ("overlap_dkv", _CAUSAL_203.replace(head_dim=128)),
+    ("overlap_dkv", cases.get_case("gqa_causal_lengths_113x203")),  # key tiles past every query
+    ("overlap_dkv_2stages", cases.get_case("window_l32_r8_203x113")),
+    ("overlap_dkv_q128", _GQA_CAUSAL_LENGTHS_330),
     ("exp2_fma", _CAUSAL_203),
     ("exp2_fma", cases.get_case("lengths_kv0_113x203")),  # rows with no key: l stays 0
     ("exp2_fma_overlap_qk", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
@@ -450,6 +469,11 @@ _LOWERED_VARIANTS = [
     (128, _VARIANTS["dq_column_halves_step_late"]),
     (128, {"dq": _K(64, 64, dq_lhs_in_registers=True, dq_in_flight=True,
                     compute_registers=240)}),
+    (128, {"dq": _K(64, 64, stages=3, overlap_dq=True)}),
+    (128, {"dq": _K(64, 64, stages=3, overlap_dq=True),
+           "dkv": _K(64, 64, stages=3, overlap_dkv=True)}),
+    (64, {"dkv": _K(128, 64, overlap_dkv=True, compute_registers=240)}),
+    (128, {"dq": _K(64, 64, overlap_dq=True, dq_lhs_in_registers=True, compute_registers=240)}),
     (64, {"dq": _K(64, 64, co_issue_dp=True, dq_lhs_in_registers=True), "dkv": _K(64, 64)}),
 ]
 
@@ -529,6 +553,17 @@ def test_dq_lhs_in_registers_is_the_plain_dq_kernels():
 def test_separate_dq_max_blocks_is_checked():
   with pytest.raises(ValueError, match="separate_dq_max_blocks_skewed"):
     _K(128, 64, fused_dq=True, separate_dq_max_blocks_skewed=-1)
+
+
+def test_overlap_dq_is_checked():
+  with pytest.raises(ValueError, match="overlap_dq needs stages >= 2"):
+    _K(64, 64, stages=1, overlap_dq=True)
+  with pytest.raises(ValueError, match="overlap_dq is a layout"):
+    _K(64, 64, overlap_dq=True, dq_in_flight=True)
+  with pytest.raises(ValueError, match="overlap_dkv needs stages >= 2"):
+    _K(64, 64, stages=1, overlap_dkv=True)
+  with pytest.raises(ValueError, match="overlap_dkv is a layout"):
+    _K(64, 64, overlap_dkv=True, fused_dq=True)
 
 
 def test_dq_in_flight_needs_two_slots():
@@ -786,6 +821,12 @@ _GPU_VARIANTS = {
     "dq_column_halves_swizzled": _VARIANTS["dq_column_halves_swizzled"],
     "co_issue_dp": _VARIANTS["co_issue_dp"],
     "dq_in_flight": _VARIANTS["dq_in_flight"],
+    "overlap_dq": _VARIANTS["overlap_dq"],
+    "overlap_dq_2stages": _VARIANTS["overlap_dq_2stages"],
+    "overlap_dkv": _VARIANTS["overlap_dkv"],
+    "overlap_dkv_2stages": _VARIANTS["overlap_dkv_2stages"],
+    "overlap_dq_dkv": {"dq": _K(64, 64, stages=3, overlap_dq=True),
+                       "dkv": _K(64, 64, stages=3, overlap_dkv=True, compute_registers=240)},
     "fused_dq_co_issue_dp": _VARIANTS["fused_dq_co_issue_dp"],
     "fused_dq_co_issue_dkv_dq": _VARIANTS["fused_dq_co_issue_dkv_dq"],
     "dq_column_halves_co_issue_dq": _VARIANTS["dq_column_halves_co_issue_dq"],

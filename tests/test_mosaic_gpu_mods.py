@@ -336,6 +336,26 @@ def test_gpu_dq_in_flight_through_block_table(seed):
     _check(_CASES["segments_causal_150x150"].with_base(head_dim=128), seed, interpret=False)
 
 
+# FlashAttention-3's overlap in both backward kernels (each step's dS made under the step
+# before's dQ wgmma, or its dK wgmma), 2 slots: the flush before each skipped block.
+_OVERLAPPED_BACKWARD = {"dq": config_lib.KernelConfig(64, 64, overlap_dq=True),
+                        "dkv": config_lib.KernelConfig(64, 64, overlap_dkv=True)}
+
+
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpreted"),
+                                       pytest.param(False, id="gpu", marks=pytest.mark.gpu)])
+def test_overlapped_backward_through_block_table(interpret, seed):
+  """`overlap_dq` and `overlap_dkv` while the kernels walk block tables: segment ids (blocks
+  skipped between computed ones, rows that see no key)."""
+  with kernel_table(128, _OVERLAPPED_BACKWARD):
+    if not interpret:
+      _poison_allocator(64 << 20)
+    _check(_CASES["segments_causal_150x150"].with_base(head_dim=128), seed, interpret=interpret)
+  if interpret:
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+    assert interpret_pallas_call.get_races().races_found is False
+
+
 @pytest.mark.parametrize("interpret", [pytest.param(True, id="interpreted"),
                                        pytest.param(False, id="gpu", marks=pytest.mark.gpu)])
 def test_modifiers_in_the_fused_d128_backward(interpret, seed):

@@ -112,15 +112,25 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       common.release_kv(slot, k_full, v_full, k_free, v_free)
       return carry
 
+    def probabilities(s, cols, *, masked: bool):
+      """P of a [block_q, block_kv] score tile (and the score modifiers' chain)."""
+      s, chain = scores(s, cols, masked=masked)
+      return jnp.exp2(s - common.broadcast_rows(lse2, s.shape)), chain
+
+    def scores_grad_of(p, chain, dp, cols):
+      """dS in the input dtype, from P and dP (dP of the dropped weights under dropout)."""
+      dp = scores.dropped(dp, scores.dropout_keep(dp, cols))
+      ds = mods_lib.logit_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), chain)
+      return ds.astype(dtype)
+
     def scores_grad(slot, j, *, masked: bool, after_s=lambda: None):
       """dS of key block j (ring slot `slot`) in the input dtype, V's slot released;
       `after_s` runs once S's wgmma (and every wgmma issued before it) is done."""
       cols = scores.columns(j, block_kv, masked=masked)
 
-      def probabilities(s):
+      def probabilities_after_s(s):
         after_s()
-        s, chain = scores(s, cols, masked=masked)
-        return jnp.exp2(s - common.broadcast_rows(lse2, s.shape)), chain  # [block_q, block_kv]
+        return probabilities(s, cols, masked=masked)
 
       tile = (block_q, block_kv)
       plgpu.barrier_wait(k_full.at[slot])
@@ -128,15 +138,13 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
         plgpu.barrier_wait(v_full.at[slot])
         (p, chain), dp = common.matmul_pair((q_lhs, k_smem.at[slot].T, tile),
                                             (do_lhs, v_smem.at[slot].T, tile),
-                                            probabilities)
+                                            probabilities_after_s)
       else:
-        p, chain = probabilities(common.matmul(q_lhs, k_smem.at[slot].T, tile))
+        p, chain = probabilities_after_s(common.matmul(q_lhs, k_smem.at[slot].T, tile))
         plgpu.barrier_wait(v_full.at[slot])
         dp = common.matmul(do_lhs, v_smem.at[slot].T, tile)
       plgpu.barrier_arrive(v_free.at[slot])
-      dp = scores.dropped(dp, scores.dropout_keep(dp, cols))  # dP of the dropped weights
-      ds = mods_lib.logit_grad(p * (dp - common.broadcast_rows(delta, dp.shape)), chain)
-      return ds.astype(dtype)
+      return scores_grad_of(p, chain, dp, cols)
 
     def step(slot, j, dq, *, masked: bool):
       """Key block j, in ring slot `slot`: dQ += dS K, awaited."""
@@ -175,6 +183,58 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       release(slot, None)
       return carry[0], carry[1], jnp.int32(0)
 
+    # overlap_dq: the dQ wgmma of the step before, dQ += dS(j - 1) K(j - 1), issued behind step
+    # j's S and dP, so that step j's softmax and dS run on the CUDA cores while it is on the
+    # tensor cores. dQ is one accumulator for the walk; carry: (dS of the step before, in
+    # registers, its ring slot, steps since the last flush).
+    staging = ds_smem[0].at[wg] if ds_smem else None
+    no_ds = (plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), common.WGMMA)
+             if cfg.overlap_dq else None)
+
+    def step_overlapped(dq_acc, slot, j, carry, *, masked: bool):
+      """Key block j with `cfg.overlap_dq`; K(j - 1)'s slot is released once its dQ wgmma is
+      done (at this step's end), so the producer refills it a step later than without."""
+      ds_prev, prev_slot, count = carry
+      cols = scores.columns(j, block_kv, masked=masked)
+      plgpu.barrier_wait(k_full.at[slot])
+      plgpu.barrier_wait(v_full.at[slot])
+
+      def scores_grad_under_dq(s_ref, dp_ref):
+        plgpu.wgmma(s_ref, q_lhs, k_smem.at[slot].T)
+        plgpu.wgmma(dp_ref, do_lhs, v_smem.at[slot].T)
+        # (After a flush there is no dS before: zeros times this step's K, which is loaded, so
+        # that every step issues three wgmmas and the waits below count them.)
+        common.issue_acc(dq_acc, ds_prev, k_smem.at[jnp.where(count > 0, prev_slot, slot)],
+                         staging)
+        p, chain = probabilities(plgpu.wgmma_accumulator_load(s_ref, wait_n=2), cols,
+                                 masked=masked)
+        dp = plgpu.wgmma_accumulator_load(dp_ref, wait_n=1)
+        plgpu.barrier_arrive(v_free.at[slot])
+        return scores_grad_of(p, chain, dp, cols)
+
+      ds = common.step_under_pending(scores_grad_under_dq, (block_q, block_kv), count,
+                                     lambda: plgpu.barrier_arrive(k_free.at[prev_slot]))
+      return ds, slot, count + 1
+
+    def flush(dq_acc, carry):
+      """overlap_dq: the pending dQ wgmma, if any, made and its K slot released."""
+      ds_prev, prev_slot, count = carry
+
+      @pl.when(count > 0)
+      def _():
+        common.issue_acc(dq_acc, ds_prev, k_smem.at[prev_slot], staging)
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(k_free.at[prev_slot])
+
+      return no_ds, prev_slot, jnp.zeros_like(count)
+
+    def release_overlapped(dq_acc, slot, carry):
+      """A skipped block with `cfg.overlap_dq`: the pending dQ wgmma is made first, so that its
+      K slot (which the producer may need for a later block) is not held across the skip."""
+      carry = flush(dq_acc, carry)
+      release(slot, None)
+      return carry
+
     def walk(step, release, carry):
       """`step` over the CTA's key blocks, `release` for the skipped ones."""
       if cta_list is None:
@@ -187,7 +247,16 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       return cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(i, stages), release=release,
                             step=step)
 
-    if cfg.dq_in_flight:
+    if cfg.overlap_dq:
+      def accumulate(dq_acc):
+        carry = walk(functools.partial(step_overlapped, dq_acc),
+                     functools.partial(release_overlapped, dq_acc),
+                     (no_ds, jnp.int32(0), jnp.int32(0)))
+        flush(dq_acc, carry)
+        return dq_acc[...]
+
+      dq = pl.run_scoped(accumulate, plgpu.ACC((block_q, head_dim), jnp.float32))
+    elif cfg.dq_in_flight:
       def accumulate(dq_acc):
         carry = walk(functools.partial(step_in_flight, dq_acc), release_in_flight,
                      (jnp.int32(0), jnp.int32(0), jnp.int32(0)))
@@ -387,27 +456,42 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         rows_out = (*rows_out, dq_columns)
       common.reduce_add(part, dq_out_smem.at[wg], dq_dest.at[rows_out], dq_partials)
 
-    def one_head(g, carry):
+    def one_head(g, carry, dkv_accs=None):
       # (The query head only matters to ALiBi, dropout and the user's functions: don't compute
       # it otherwise.)
       scores = key_scores.for_head(kv_head * groups + g) if mods.per_head else key_scores
 
-      def release(slot, c):
+      def observe_and_free(slot, c):
+        """A skipped block's ring slot: its fill observed, then freed."""
         wait_filled(slot)
         plgpu.barrier_arrive(slot_free.at[slot])
         return c
+
+      def probabilities_of(slot, cols, *, masked: bool):
+        """P^T [block_kv, block_q] from S^T of ring slot `slot`'s query block, the score
+        modifiers' chain, and the dropout keep-mask (transposed like the tile)."""
+
+        def probabilities(st):
+          st, chain = scores(st, cols, masked=masked)
+          lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
+          pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))
+          return pt, chain, scores.dropout_keep(pt, cols)
+
+        return probabilities
+
+      def scores_grad_t(pt, chain, dpt, keep, slot):
+        """dS^T in the input dtype, from P^T and dP^T (dropped under dropout)."""
+        dpt = scores.dropped(dpt, keep)
+        delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
+        dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)), chain)
+        return dst.astype(dtype)
 
       def step(slot, qi, acc, *, masked: bool):
         """Query block qi, in ring slot `slot`."""
         acc = dict(acc)
         cols = scores.columns(qi, block_q, masked=masked)
         wait_filled(slot)
-
-        def probabilities(st):
-          st, chain = scores(st, cols, masked=masked)
-          lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
-          pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
-          return pt, chain, scores.dropout_keep(pt, cols)  # (keep: transposed like the tile)
+        probabilities = probabilities_of(slot, cols, masked=masked)
 
         tile = (block_kv, block_q)
         st_operands = (k_smem.at[wg], q_smem.at[slot].T, tile)  # S^T
@@ -426,11 +510,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         if "dk" in outputs:
           if dpt is None:
             dpt = common.matmul(*dpt_operands)
-          dpt = scores.dropped(dpt, keep)
-          delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
-          dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)),
-                                    chain)
-          dst = dst.astype(dtype)
+          dst = scores_grad_t(pt, chain, dpt, keep, slot)
           # The accumulators this step's wgmmas add into here (dV's went in above without pairs).
           accumulating = {"dk": (acc["dk"], dst, q_smem.at[slot])}
           if pairs:
@@ -462,18 +542,76 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         plgpu.barrier_arrive(slot_free.at[slot])
         return acc
 
+      def step_overlapped(slot, qi, carry, *, masked: bool):
+        """Query block qi, in ring slot `slot`, with `cfg.overlap_dkv`: S^T and dP^T issued,
+        then the step before's dK wgmma (its dS^T kept in registers); P^T made and this step's
+        dV wgmma issued; then dS^T made while both are on the tensor cores. The step before's
+        ring slot (its q) is released once its dK wgmma is done, at this step's end."""
+        dst_prev, prev_slot, count = carry
+        cols = scores.columns(qi, block_q, masked=masked)
+        wait_filled(slot)
+        probabilities = probabilities_of(slot, cols, masked=masked)
+
+        def grads_under_dkv(st_ref, dpt_ref):
+          plgpu.wgmma(st_ref, k_smem.at[wg], q_smem.at[slot].T)
+          plgpu.wgmma(dpt_ref, v_smem.at[wg], do_smem.at[slot].T)
+          # (After a flush there is no step before: zeros times this step's q, which is
+          # loaded, so that every step issues four wgmmas and the waits below count them.)
+          common.issue_acc(dkv_accs["dk"], dst_prev,
+                           q_smem.at[jnp.where(count > 0, prev_slot, slot)], stage)
+          pt, chain, keep = probabilities(plgpu.wgmma_accumulator_load(st_ref, wait_n=2))
+          common.issue_acc(dkv_accs["dv"], scores.dropped(pt, keep).astype(dtype),
+                           do_smem.at[slot], stage)
+          dpt = plgpu.wgmma_accumulator_load(dpt_ref, wait_n=2)  # (behind it: dK's, dV's)
+          return scores_grad_t(pt, chain, dpt, keep, slot)
+
+        dst = common.step_under_pending(grads_under_dkv, (block_kv, block_q), count,
+                                        lambda: plgpu.barrier_arrive(slot_free.at[prev_slot]))
+        return dst, slot, count + 1
+
+      def release_overlapped(slot, carry):
+        """A skipped block with `cfg.overlap_dkv`: the pending dK wgmma is made first, so that
+        its ring slot (which the producer may need for a later block) is not held across the
+        skip."""
+        return observe_and_free(slot, flush_dkv(dkv_accs, carry))
+
+      release = observe_and_free
+      if cfg.overlap_dkv:
+        step, release = step_overlapped, release_overlapped
       if cta_list is not None:  # entry i of this head is ring step g * per_head + i
         return cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(g * per_head + i, stages),
                               release=release, step=step, step_every=cfg.dq_column_halves)
       step_base = g * per_head - cta_lo  # ring step of query block qi is step_base + qi
       slot_of = lambda qi: lax.rem(step_base + qi, stages)
       release_block = lambda qi, c: release(slot_of(qi), c)
-      lax.fori_loop(cta_lo, lo, release_block, None)
+      # (overlap_dkv: a skip may flush, so the releases take the carry; else none they change.)
+      carry_releases = cfg.overlap_dkv
+      released = lax.fori_loop(cta_lo, lo, release_block, carry if carry_releases else None)
+      carry = released if carry_releases else carry
       carry = common.masked_loops(lo, full_lo, full_hi, hi,
                                   lambda qi, c, masked: step(slot_of(qi), qi, c, masked=masked),
                                   carry)
-      lax.fori_loop(hi, cta_hi, release_block, None)
-      return carry
+      released = lax.fori_loop(hi, cta_hi, release_block, carry if carry_releases else None)
+      return released if carry_releases else carry
+
+    # overlap_dkv: dV and dK are accumulators held across the walk (`dkv_accs`: {"dv", "dk"}
+    # -> plgpu.ACC), which each step's wgmmas add into (dK the step before's product).
+    stage = staging[0].at[wg] if staging else None
+
+    no_tile = (plgpu.layout_cast(jnp.zeros((block_kv, block_q), dtype), common.WGMMA)
+               if cfg.overlap_dkv else None)
+
+    def flush_dkv(dkv_accs, carry):
+      """overlap_dkv: the pending dK wgmma, if any, made and its ring slot released."""
+      dst_prev, prev_slot, count = carry
+
+      @pl.when(count > 0)
+      def _():
+        common.issue_acc(dkv_accs["dk"], dst_prev, q_smem.at[prev_slot], stage)
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(slot_free.at[prev_slot])
+
+      return no_tile, prev_slot, jnp.zeros_like(count)
 
     zeros = plgpu.layout_cast(jnp.zeros((block_kv, head_dim), jnp.float32), common.WGMMA)
     acc = {name: zeros for name in outputs}
@@ -487,7 +625,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_arrive(halves_met[0].at[1])
       plgpu.barrier_arrive(ds_read.at[0])
       acc["late_dq"] = (jnp.int32(0),) * 3
-    acc = lax.fori_loop(0, groups, one_head, acc)
+    if cfg.overlap_dkv:
+      def accumulate(dv_acc, dk_acc):
+        dkv_accs = {"dv": dv_acc, "dk": dk_acc}
+        flush_dkv(dkv_accs, lax.fori_loop(0, groups,
+                                          functools.partial(one_head, dkv_accs=dkv_accs),
+                                          (no_tile, jnp.int32(0), jnp.int32(0))))
+        return {"dv": dv_acc[...], "dk": dk_acc[...]}
+
+      full_tile = plgpu.ACC((block_kv, head_dim), jnp.float32)
+      acc = pl.run_scoped(accumulate, full_tile, full_tile)
+    else:
+      acc = lax.fori_loop(0, groups, one_head, acc)
     if late:  # the last step's dQ, then the last phase of the slots' free barrier observed
       count = acc["late_dq"][0]
       reduce_late_dq(common.matmul_sum(halves_pairs(1 - lax.rem(count, 2)),

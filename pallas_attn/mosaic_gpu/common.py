@@ -167,6 +167,36 @@ def matmul_acc(acc, lhs, rhs, staging=None) -> jax.Array:
   return pl.run_state(body)(plgpu.ACC.init(acc))
 
 
+def issue_acc(acc_ref, lhs, rhs, staging=None):
+  """acc_ref (a `plgpu.ACC` that outlives this step) += lhs @ rhs with lhs a register array,
+  issued and not awaited: the caller waits (`plgpu.wgmma_wait`) before lhs's registers or rhs's
+  shared memory change. The interpreter (`staging`, as in `matmul_acc`) stages lhs through
+  shared memory."""
+  if staging is not None:
+    staging[...] = lhs
+    plgpu.commit_smem()
+    lhs = staging
+  plgpu.wgmma(acc_ref, lhs, rhs)
+
+
+def step_under_pending(body, shape, count, release_prev):
+  """A step of the backward's overlapped walks (`KernelConfig.overlap_dq`, `overlap_dkv`):
+  `body(first_ref, second_ref)` gets two fresh float32 [M, N] = `shape` accumulators, issues
+  the step's two wgmmas into them and the step before's pending one (`issue_acc`), and makes
+  its result on the CUDA cores while that one runs; every wgmma is awaited at its end. Then,
+  when there was a step before (count > 0), `release_prev()` frees that step's ring slot, which
+  the pending wgmma read. Returns body's result."""
+
+  def scoped(first_ref, second_ref):
+    result = body(first_ref, second_ref)
+    plgpu.wgmma_wait(0)  # (the pending wgmma: its register operand and its slot are free)
+    return result
+
+  result = pl.run_scoped(scoped, plgpu.ACC(shape, jnp.float32), plgpu.ACC(shape, jnp.float32))
+  pl.when(count > 0)(release_prev)
+  return result
+
+
 def matmul_acc_pair(first, second, staging=None) -> tuple[jax.Array, jax.Array]:
   """`matmul_acc` of `first` and `second`, each (acc, lhs, rhs), their wgmmas issued back to
   back and awaited once (the second starts as soon as the first leaves the tensor cores)."""

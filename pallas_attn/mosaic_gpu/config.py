@@ -200,6 +200,24 @@ class KernelConfig:
   # the warpgroup waits for dQ's wgmma before it issues the next S. Needs stages >= 2. H200,
   # d128 fwd+bwd: 0.91-0.96x (benchmarks/NOTES.md session 10); off.
   dq_in_flight: bool = False
+  # dQ (not head_split): FlashAttention-3's intra-warpgroup overlap, as `overlap_qk` in the
+  # forward. Step j issues its S and dP wgmmas, then the step before's dQ += dS(j - 1) K(j - 1)
+  # (dS kept in registers), and runs its softmax and dS on the CUDA cores while that dQ wgmma
+  # is on the tensor cores (without it, the warpgroup's own CUDA-core work waits for its dQ
+  # wgmma, and only the other warpgroup's wgmmas fill the gap). S and dP are issued together
+  # (as `co_issue_dp`). K(j - 1)'s slot is free only at step j's end: with 2 stages the
+  # producer loads block j + 1 into it only then, 3 leave it a step of lead. H200, d128
+  # fwd+bwd: 0.95-1.00x with 3 stages, 0.86-0.97x with 2 (the table's kernels already spill;
+  # benchmarks/NOTES.md session 18); off.
+  overlap_dq: bool = False
+  # dK/dV (not fused_dq, head_split or split_dkv): the same overlap in the dK/dV kernel. Step j
+  # issues its S^T and dP^T wgmmas, then the step before's dK += dS^T q (dS^T kept in
+  # registers: 16 more a thread), makes P^T and issues its own dV += P^T dO, and makes dS^T
+  # while those two are on the tensor cores. The step before's ring slot is free only at step
+  # j's end (stages >= 2; 3 leave the producer a step of lead). H200, d128 fwd+bwd at 240
+  # registers: 0.91-0.99x (it spills 284-324 bytes a thread; deferring dV too spilled 360-600:
+  # 0.76-0.94x; benchmarks/NOTES.md session 18); off.
+  overlap_dkv: bool = False
   # dQ (not head_split): the warpgroup's q and dO tiles, read once for all its key blocks, are
   # loaded into registers and are the A operands of S's and dP's wgmmas, which then read only
   # K and V from shared memory. Both read A and B from shared memory otherwise: at wgmma N 64
@@ -301,6 +319,17 @@ class KernelConfig:
       # (A K slot is released at the next step's first wait, which needs the next block loaded:
       # with one slot that block waits for the release.)
       raise ValueError(f"dq_in_flight needs stages >= 2, got stages={self.stages}")
+    if self.overlap_dq and (self.head_split or self.dq_in_flight):
+      raise ValueError("overlap_dq is a layout of the plain dQ kernel, without head_split or "
+                       "dq_in_flight")
+    if self.overlap_dkv and (self.fused_dq or self.head_split or self.split_dkv):
+      raise ValueError("overlap_dkv is a layout of the plain dK/dV kernel, without fused_dq, "
+                       "head_split or split_dkv")
+    if self.overlap_dkv and self.stages < 2:
+      raise ValueError(f"overlap_dkv needs stages >= 2, got stages={self.stages}")
+    if self.overlap_dq and self.stages < 2:
+      # (Block j's K is read until step j + 1's end; with one slot, block j + 1 waits for it.)
+      raise ValueError(f"overlap_dq needs stages >= 2, got stages={self.stages}")
     if self.exp2_fma_cols % 8 or not 0 <= self.exp2_fma_cols <= self.block_kv:
       raise ValueError(f"exp2_fma_cols must be a multiple of 8 from 0 to block_kv "
                        f"({self.block_kv}), got {self.exp2_fma_cols}")
