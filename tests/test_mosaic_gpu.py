@@ -171,8 +171,8 @@ _VARIANTS = {
     "overlap_dq": {"dq": _K(64, 64, stages=3, overlap_dq=True), "dkv": _K(64, 64)},
     "overlap_dq_2stages": {"dq": _K(64, 64, overlap_dq=True), "dkv": _K(64, 64)},
     "overlap_dq_q128": {"dq": _K(128, 64, overlap_dq=True), "dkv": _K(64, 64)},
-    # The same in the dK/dV kernel: the step before's dV and dK wgmmas behind this step's S^T
-    # and dP^T (carried across the GQA group's heads, flushed before a skipped block).
+    # The same in the dK/dV kernel: the step before's dK wgmma behind this step's S^T and dP^T
+    # (carried across the GQA group's heads, flushed before a skipped block).
     "overlap_dkv": {"dkv": _K(64, 64, stages=3, overlap_dkv=True)},
     "overlap_dkv_2stages": {"dkv": _K(64, 64, overlap_dkv=True)},
     "overlap_dkv_q128": {"dkv": _K(128, 64, overlap_dkv=True)},
@@ -555,7 +555,7 @@ def test_separate_dq_max_blocks_is_checked():
     _K(128, 64, fused_dq=True, separate_dq_max_blocks_skewed=-1)
 
 
-def test_overlap_dq_is_checked():
+def test_backward_overlaps_are_checked():
   with pytest.raises(ValueError, match="overlap_dq needs stages >= 2"):
     _K(64, 64, stages=1, overlap_dq=True)
   with pytest.raises(ValueError, match="overlap_dq is a layout"):

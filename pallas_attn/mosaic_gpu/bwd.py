@@ -456,6 +456,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         rows_out = (*rows_out, dq_columns)
       common.reduce_add(part, dq_out_smem.at[wg], dq_dest.at[rows_out], dq_partials)
 
+    # The interpreter's staging tile for register A operands (`common.matmul_acc`); compiled,
+    # none.
+    stage = staging[0].at[wg] if staging else None
+
     def one_head(g, carry, dkv_accs=None):
       # (The query head only matters to ALiBi, dropout and the user's functions: don't compute
       # it otherwise.)
@@ -501,7 +505,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           (pt, chain, keep), dpt = common.matmul_pair(st_operands, dpt_operands, probabilities)
         else:
           pt, chain, keep = probabilities(common.matmul(*st_operands))
-        stage = staging[0].at[wg] if staging else None
         pairs = cfg.co_issue_dkv and outputs == ("dk", "dv")
         if "dv" in outputs:
           dv_operands = (scores.dropped(pt, keep).astype(dtype), do_smem.at[slot])
@@ -596,8 +599,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
     # overlap_dkv: dV and dK are accumulators held across the walk (`dkv_accs`: {"dv", "dk"}
     # -> plgpu.ACC), which each step's wgmmas add into (dK the step before's product).
-    stage = staging[0].at[wg] if staging else None
-
     no_tile = (plgpu.layout_cast(jnp.zeros((block_kv, block_q), dtype), common.WGMMA)
                if cfg.overlap_dkv else None)
 

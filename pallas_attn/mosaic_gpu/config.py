@@ -322,14 +322,14 @@ class KernelConfig:
     if self.overlap_dq and (self.head_split or self.dq_in_flight):
       raise ValueError("overlap_dq is a layout of the plain dQ kernel, without head_split or "
                        "dq_in_flight")
-    if self.overlap_dkv and (self.fused_dq or self.head_split or self.split_dkv):
-      raise ValueError("overlap_dkv is a layout of the plain dK/dV kernel, without fused_dq, "
-                       "head_split or split_dkv")
-    if self.overlap_dkv and self.stages < 2:
-      raise ValueError(f"overlap_dkv needs stages >= 2, got stages={self.stages}")
     if self.overlap_dq and self.stages < 2:
       # (Block j's K is read until step j + 1's end; with one slot, block j + 1 waits for it.)
       raise ValueError(f"overlap_dq needs stages >= 2, got stages={self.stages}")
+    if self.overlap_dkv and (self.fused_dq or self.head_split or self.split_dkv):
+      raise ValueError("overlap_dkv is a layout of the plain dK/dV kernel, without fused_dq, "
+                       "head_split or split_dkv")
+    if self.overlap_dkv and self.stages < 2:  # (as overlap_dq's, for block j's q)
+      raise ValueError(f"overlap_dkv needs stages >= 2, got stages={self.stages}")
     if self.exp2_fma_cols % 8 or not 0 <= self.exp2_fma_cols <= self.block_kv:
       raise ValueError(f"exp2_fma_cols must be a multiple of 8 from 0 to block_kv "
                        f"({self.block_kv}), got {self.exp2_fma_cols}")
