@@ -17,6 +17,7 @@ from benchmarks import compile_cache  # noqa: E402
 from benchmarks import fused_dq_probe  # noqa: E402
 from benchmarks import impls  # noqa: E402
 from benchmarks import masking  # noqa: E402
+from benchmarks import overhead_probe  # noqa: E402
 from benchmarks import precompile  # noqa: E402
 from benchmarks import report  # noqa: E402
 from benchmarks import run  # noqa: E402
@@ -844,3 +845,29 @@ def test_device_and_kernel_workers_split_the_compiles_each_built_once(tmp_path):
   assert {r["job"]: r["phase"] for r in reports} == {
       "mosaic a": "kernel", "tokamax a": "kernel", "mosaic b": "kernel", "xla b": "device",
       "xla a": "device"}
+
+
+# ---- benchmarks/overhead_probe.py: the delta pass and the last wave -----------------------------
+
+def test_overhead_probe_delta_forms_agree_and_waves_count_ctas():
+  keys = jax.random.split(jax.random.key(5), 2)
+  d_out, out = (jax.random.normal(key, (2, 37, 3, 16), jnp.bfloat16) for key in keys)
+  fns = overhead_probe._delta_variants()
+  want = np.einsum("bthd,bthd->bht", np.asarray(d_out, np.float32), np.asarray(out, np.float32))
+  for name, fn in fns.items():
+    got = np.asarray(fn(d_out, out))
+    if name == "read_both":
+      np.testing.assert_allclose(got, np.asarray(d_out, np.float32).sum()
+                                 + np.asarray(out, np.float32).sum(), rtol=1e-4)
+      continue
+    got = got if got.shape == want.shape else np.swapaxes(got, 1, 2)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5, err_msg=name)
+  rows = overhead_probe.delta_rows(timing.TimingConfig(warmup=1, repeats=1), batch=1, seq=64,
+                                   heads=2, head_dim=16)
+  assert [r["variant"] for r in rows] == list(fns)
+  assert all(r["ms"] > 0 and (r["max_rel_err"] is None or r["max_rel_err"] < 1e-6)
+             for r in rows)
+  # The wave shapes: 2048 CTAs of 128 rows fill 15.52 waves of 132 SMs; 4224 and 1980 fill them.
+  ctas = [b * h * -(-s // overhead_probe.ROWS_PER_CTA) for b, s, h in overhead_probe.WAVE_SHAPES]
+  assert ctas == [2048, 4224, 1920, 1980]
+  assert [c % overhead_probe.NUM_SMS == 0 for c in ctas] == [False, True, False, True]

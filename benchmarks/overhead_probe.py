@@ -1,0 +1,129 @@
+"""Times what surrounds the attention kernels' steps: the delta pass and the last wave's tail.
+
+  python -m benchmarks.overhead_probe --probes delta,waves --out $OUT/overhead.jsonl
+
+- `delta`: rowsum(dO * O) [B, H, T] float32 before the backward kernels, written several ways
+  (the einsum `numerics.delta` uses, a multiply-and-sum then a transpose, the sum left in
+  [B, T, H]), beside a read of both inputs (the bandwidth floor) on the FlashAttention sweep's
+  d128 arrays (16384 tokens x 16 heads x 128: 64 MiB each in bf16).
+- `waves`: forward and forward+backward (ours and cuDNN's) at head_dim 128 shapes whose CTA
+  count (128 query rows a CTA, the table's layout) fills the 132 SMs' last wave to different
+  depths: b1 s16384 h16 (2048 CTAs, 15.52 waves), h33 (4224, 32.0), h15 (1920, 14.55) and
+  s16896 h15 (1980, 15.0). If a partial last wave costs a whole one, TFLOP/s follows the wave
+  efficiency ctas / (132 * ceil(ctas / 132)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks import timing
+import pallas_attn
+from pallas_attn import numerics
+
+NUM_SMS = 132
+ROWS_PER_CTA = 128
+
+
+def _delta_variants() -> dict:
+  f32 = jnp.float32
+
+  def einsum(d_out, out):
+    return numerics.delta(d_out, out)
+
+  def sum_then_transpose(d_out, out):
+    return jnp.swapaxes(jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1), 1, 2)
+
+  def sum_no_transpose(d_out, out):
+    return jnp.sum(d_out.astype(f32) * out.astype(f32), axis=-1)
+
+  def bf16_dot(d_out, out):
+    return jnp.einsum("bthd,bthd->bht", d_out, out, preferred_element_type=f32)
+
+  def read_both(d_out, out):  # the floor: every byte of both read once, a scalar written
+    return jnp.sum(d_out.astype(f32)) + jnp.sum(out.astype(f32))
+
+  fns = dict(einsum=einsum, sum_then_transpose=sum_then_transpose,
+             sum_no_transpose=sum_no_transpose, bf16_dot=bf16_dot, read_both=read_both)
+  return {name: jax.jit(fn) for name, fn in fns.items()}
+
+
+def delta_rows(cfg: timing.TimingConfig, batch: int = 4, seq: int = 4096, heads: int = 16,
+               head_dim: int = 128) -> list[dict]:
+  k1, k2 = jax.random.split(jax.random.key(0))
+  d_out = jax.random.normal(k1, (batch, seq, heads, head_dim), jnp.bfloat16)
+  out = jax.random.normal(k2, (batch, seq, heads, head_dim), jnp.bfloat16)
+  fns = _delta_variants()
+  want = fns["einsum"](d_out, out)
+  rows = []
+  timings = timing.time_interleaved([(fn, (d_out, out)) for fn in fns.values()], cfg)
+  gib = 2 * d_out.size * d_out.dtype.itemsize
+  for (name, fn), t in zip(fns.items(), timings):
+    got = fn(d_out, out)
+    err = None
+    if name != "read_both":
+      got = got if got.shape == want.shape else jnp.swapaxes(got, 1, 2)
+      err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
+    rows.append(dict(probe="delta", variant=name, ms=t.ms, repeat_ms=t.repeat_ms,
+                     tb_per_s=gib / (t.ms * 1e-3) / 1e12, max_rel_err=err))
+  return rows
+
+
+WAVE_SHAPES = ((1, 16384, 16), (1, 16384, 33), (1, 16384, 15), (1, 16896, 15))
+
+
+def wave_rows(cfg: timing.TimingConfig, head_dim: int = 128) -> list[dict]:
+  rows = []
+  for batch, seq, heads in WAVE_SHAPES:
+    keys = jax.random.split(jax.random.key(1), 4)
+    q, k, v, d_out = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16)
+                      for key in keys)
+    ctas = batch * heads * math.ceil(seq / ROWS_PER_CTA)
+    waves = math.ceil(ctas / NUM_SMS)
+    calls = {}
+    for impl in ("mosaic_gpu", "cudnn"):
+      attend = functools.partial(
+          pallas_attn.attention if impl == "mosaic_gpu" else jax.nn.dot_product_attention,
+          implementation=impl)
+      fwd = jax.jit(lambda q, k, v, attend=attend: attend(q, k, v))
+      fwd_bwd = jax.jit(lambda q, k, v, d_out, attend=attend: jax.vjp(
+          lambda q, k, v: attend(q, k, v), q, k, v)[1](d_out))
+      calls[(impl, "fwd")] = (fwd, (q, k, v))
+      calls[(impl, "fwd_bwd")] = (fwd_bwd, (q, k, v, d_out))
+    timings = timing.time_interleaved(list(calls.values()), cfg)
+    for (impl, pass_), t in zip(calls, timings):
+      flops = 4 * batch * heads * seq * seq * head_dim * (1.0 if pass_ == "fwd" else 3.5)
+      rows.append(dict(probe="waves", impl=impl, pass_=pass_, batch=batch, seq=seq, heads=heads,
+                       ctas=ctas, wave_efficiency=ctas / (NUM_SMS * waves), ms=t.ms,
+                       repeat_ms=t.repeat_ms, tflops=flops / (t.ms * 1e-3) / 1e12))
+    del q, k, v, d_out
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--probes", default="delta,waves")
+  p.add_argument("--out", default=None)
+  p.add_argument("--repeats", type=int, default=9)
+  args = p.parse_args(argv)
+  cfg = timing.TimingConfig(repeats=args.repeats)
+  rows = []
+  for probe in args.probes.split(","):
+    rows += {"delta": delta_rows, "waves": wave_rows}[probe](cfg)
+  for row in rows:
+    print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
+           if k != "repeat_ms"}, flush=True)
+  if args.out:
+    with open(args.out, "a") as f:
+      for row in rows:
+        f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+  main()
