@@ -63,7 +63,7 @@ def delta_rows(cfg: timing.TimingConfig, batch: int = 4, seq: int = 4096, heads:
   want = fns["einsum"](d_out, out)
   rows = []
   timings = timing.time_interleaved([(fn, (d_out, out)) for fn in fns.values()], cfg)
-  gib = 2 * d_out.size * d_out.dtype.itemsize
+  bytes_read = 2 * d_out.size * d_out.dtype.itemsize
   for (name, fn), t in zip(fns.items(), timings):
     got = fn(d_out, out)
     err = None
@@ -71,7 +71,7 @@ def delta_rows(cfg: timing.TimingConfig, batch: int = 4, seq: int = 4096, heads:
       got = got if got.shape == want.shape else jnp.swapaxes(got, 1, 2)
       err = float(jnp.max(jnp.abs(got - want)) / jnp.max(jnp.abs(want)))
     rows.append(dict(probe="delta", variant=name, ms=t.ms, repeat_ms=t.repeat_ms,
-                     tb_per_s=gib / (t.ms * 1e-3) / 1e12, max_rel_err=err))
+                     tb_per_s=bytes_read / (t.ms * 1e-3) / 1e12, max_rel_err=err))
   return rows
 
 
