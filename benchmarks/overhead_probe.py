@@ -26,8 +26,9 @@ import jax.numpy as jnp
 from benchmarks import timing
 import pallas_attn
 from pallas_attn import numerics
+from pallas_attn.mosaic_gpu import config as config_lib
 
-NUM_SMS = 132
+NUM_SMS = config_lib.NUM_SMS  # an H100 / H200 SXM
 ROWS_PER_CTA = 128
 
 
