@@ -16,15 +16,15 @@
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import math
 
 import jax
 import jax.numpy as jnp
 
+from benchmarks import impls
+from benchmarks import shapes
 from benchmarks import timing
-import pallas_attn
 from pallas_attn import numerics
 from pallas_attn.mosaic_gpu import config as config_lib
 
@@ -76,34 +76,34 @@ def delta_rows(cfg: timing.TimingConfig, batch: int = 4, seq: int = 4096, heads:
   return rows
 
 
-WAVE_SHAPES = ((1, 16384, 16), (1, 16384, 33), (1, 16384, 15), (1, 16896, 15))
+WAVE_SHAPES = ((1, 16384, 16), (1, 16384, 33), (1, 16384, 15), (1, 16896, 15))  # batch, seq, heads
+WAVE_IMPLS = ("pallas_attn:mosaic_gpu", "jax_cudnn")
+
+
+def wave_ctas(batch: int, seq: int, heads: int) -> int:
+  """CTAs of a forward / backward kernel launch of 128-row tiles at this shape."""
+  return batch * heads * math.ceil(seq / ROWS_PER_CTA)
 
 
 def wave_rows(cfg: timing.TimingConfig, head_dim: int = 128) -> list[dict]:
   rows = []
   for batch, seq, heads in WAVE_SHAPES:
-    keys = jax.random.split(jax.random.key(1), 4)
-    q, k, v, d_out = (jax.random.normal(key, (batch, seq, heads, head_dim), jnp.bfloat16)
-                      for key in keys)
-    ctas = batch * heads * math.ceil(seq / ROWS_PER_CTA)
-    waves = math.ceil(ctas / NUM_SMS)
+    shape = shapes.Shape(batch, seq, seq, heads, heads, head_dim, causal=False, family="waves")
+    args = impls.random_inputs(shape, jnp.bfloat16, seed=1)
+    ctas = wave_ctas(batch, seq, heads)
     calls = {}
-    for impl in ("mosaic_gpu", "cudnn"):
-      attend = functools.partial(
-          pallas_attn.attention if impl == "mosaic_gpu" else jax.nn.dot_product_attention,
-          implementation=impl)
-      fwd = jax.jit(lambda q, k, v, attend=attend: attend(q, k, v))
-      fwd_bwd = jax.jit(lambda q, k, v, d_out, attend=attend: jax.vjp(
-          lambda q, k, v: attend(q, k, v), q, k, v)[1](d_out))
-      calls[(impl, "fwd")] = (fwd, (q, k, v))
-      calls[(impl, "fwd_bwd")] = (fwd_bwd, (q, k, v, d_out))
+    for name in WAVE_IMPLS:
+      attend = impls.get(name, "gpu").attend
+      for pass_ in ("fwd", "fwd_bwd"):
+        calls[(name, pass_)] = (jax.jit(impls.timed_fn(attend, shape, pass_)),
+                                args[:3] if pass_ == "fwd" else args)
     timings = timing.time_interleaved(list(calls.values()), cfg)
-    for (impl, pass_), t in zip(calls, timings):
-      flops = 4 * batch * heads * seq * seq * head_dim * (1.0 if pass_ == "fwd" else 3.5)
-      rows.append(dict(probe="waves", impl=impl, pass_=pass_, batch=batch, seq=seq, heads=heads,
-                       ctas=ctas, wave_efficiency=ctas / (NUM_SMS * waves), ms=t.ms,
-                       repeat_ms=t.repeat_ms, tflops=flops / (t.ms * 1e-3) / 1e12))
-    del q, k, v, d_out
+    for (name, pass_), t in zip(calls, timings):
+      rows.append(dict(probe="waves", impl=name, pass_=pass_, batch=batch, seq=seq, heads=heads,
+                       ctas=ctas, wave_efficiency=ctas / (NUM_SMS * math.ceil(ctas / NUM_SMS)),
+                       ms=t.ms, repeat_ms=t.repeat_ms,
+                       tflops=timing.attention_flops(shape, pass_) / (t.ms * 1e-3) / 1e12))
+    del args
   return rows
 
 

@@ -14,12 +14,11 @@ the tuner; this only gives the profiler something to read (stall reasons, pipe u
 from __future__ import annotations
 
 import argparse
-import functools
 
 import jax
 
 from benchmarks import bwd_parts
-import pallas_attn
+from benchmarks import impls
 
 
 def main(argv=None):
@@ -30,12 +29,8 @@ def main(argv=None):
   args = p.parse_args(argv)
   q, k, v, d_out, out, lse, lengths = bwd_parts.shape_arrays(args.head_dim, args.seq,
                                                               args.causal, interpret=False)
-  calls = {}
-  for impl, attend in (("mosaic_gpu", pallas_attn.attention),
-                       ("cudnn", jax.nn.dot_product_attention)):
-    attend = functools.partial(attend, implementation=impl, is_causal=args.causal)
-    calls[impl] = jax.jit(lambda q, k, v, d_out, attend=attend: jax.vjp(
-        lambda q, k, v: attend(q, k, v), q, k, v)[1](d_out))
+  calls = {name: jax.jit(impls.fwd_bwd_fn(impls.get(name, "gpu").attend, args.causal))
+           for name in ("pallas_attn:mosaic_gpu", "jax_cudnn")}
   fused = bwd_parts.parts(args.head_dim, args.causal, interpret=False)["dqkv"]
   for name, fn in calls.items():
     jax.block_until_ready(fn(q, k, v, d_out))

@@ -2,8 +2,8 @@
 # One device call: Nsight Compute on the kernels of `benchmarks.stall_profile` (ours and cuDNN's
 # forward + backward, and the fused dK/dV/dQ kernel) at NCU_ARGS' shape (default d128 N 4096).
 # First a cheap pass (names and durations of LIST_COUNT launches matching LIST_KERNELS; SKIP_LIST=1
-# leaves it out), then NCU_SET's sections
-# on NCU_COUNT launches matching NCU_KERNELS after the first NCU_SKIP; reports and their text pages land in $OUT. Clocks left alone.
+# leaves it out), then NCU_SET's sections on NCU_COUNT launches matching NCU_KERNELS after the
+# first NCU_SKIP; reports and their text pages land in $OUT. Clocks left alone.
 set -u
 # No preallocation: the profiler saves and restores the device memory in use around each replay.
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false

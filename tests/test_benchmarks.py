@@ -868,6 +868,20 @@ def test_overhead_probe_delta_forms_agree_and_waves_count_ctas():
   assert all(r["ms"] > 0 and (r["max_rel_err"] is None or r["max_rel_err"] < 1e-6)
              for r in rows)
   # The wave shapes: 2048 CTAs of 128 rows fill 15.52 waves of 132 SMs; 4224 and 1980 fill them.
-  ctas = [b * h * -(-s // overhead_probe.ROWS_PER_CTA) for b, s, h in overhead_probe.WAVE_SHAPES]
+  ctas = [overhead_probe.wave_ctas(*shape) for shape in overhead_probe.WAVE_SHAPES]
   assert ctas == [2048, 4224, 1920, 1980]
   assert [c % overhead_probe.NUM_SMS == 0 for c in ctas] == [False, True, False, True]
+
+
+def test_overhead_probe_wave_rows_time_each_impl_and_pass(monkeypatch):
+  # The GPU's pair replaced by two paths that run here; one small shape.
+  monkeypatch.setattr(overhead_probe, "WAVE_SHAPES", ((1, 200, 2),))
+  monkeypatch.setattr(overhead_probe, "WAVE_IMPLS", ("pallas_attn:blocked_jax", "jax_xla"))
+  rows = overhead_probe.wave_rows(timing.TimingConfig(warmup=1, repeats=1), head_dim=16)
+  assert [(r["impl"], r["pass_"]) for r in rows] == [
+      ("pallas_attn:blocked_jax", "fwd"), ("pallas_attn:blocked_jax", "fwd_bwd"),
+      ("jax_xla", "fwd"), ("jax_xla", "fwd_bwd")]
+  for r in rows:
+    assert r["ctas"] == 2 * 2 and r["wave_efficiency"] == pytest.approx(4 / 132)
+    flops = 4 * 2 * 200 * 200 * 16 * (1.0 if r["pass_"] == "fwd" else 3.5)
+    assert r["tflops"] == pytest.approx(flops / (r["ms"] * 1e-3) / 1e12)
