@@ -300,6 +300,13 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_halves_late_co_dp": {"dkv": dict(_FUSED_CO_DKV_DQ, co_issue_dp=True,
                                           dq_column_halves=True, dq_step_late=True,
                                           compute_registers=240)},
+    # Session 20. The K / V tiles' wgmma descriptors built in each step instead of hoisted out
+    # of the walk and spilled: the table's dK/dV of then (fused at N 16384 only, the separate
+    # kernels below), and the fused layout at every length with it.
+    "dkv_descriptors_in_step": {"dkv": dict(tile_descriptors_in_step=True)},
+    "dkv_halves_late_descriptors_in_step_regs240": {"dkv": dict(
+        _FUSED_CO_DKV_DQ, dq_column_halves=True, dq_step_late=True, compute_registers=240,
+        tile_descriptors_in_step=True)},
 }
 
 _DEFAULT = "default"

@@ -1,6 +1,8 @@
-"""Dump the SASS of the table's forward kernel at one shape, and count its instructions.
+"""Dump the SASS of one of the table's kernels at one shape, and count its instructions.
 
 Usage (on the H200): PYTHONPATH=. python scripts/dump_sass.py --head-dim 64 --out $OUT/sass
+(`--kernel dqkv`: the dK/dV kernel that also makes dQ, the table's fused layout forced on, as in
+`benchmarks.bwd_parts`; default the forward.)
 Mosaic GPU writes the kernel's PTX, ptxas log and SASS under --out (MOSAIC_GPU_DUMP_*; nvdisasm
 comes from CUDA_ROOT, which the device image's pip-installed CUDA does not set). Then the
 mnemonics of each dumped file that holds SASS (HGMMA instructions) are counted, whole kernel and
@@ -57,6 +59,7 @@ def main(argv=None):
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--seq", type=int, default=4096)
   p.add_argument("--causal", action="store_true")
+  p.add_argument("--kernel", choices=("fwd", "dqkv"), default="fwd")
   p.add_argument("--out", required=True, help="folder for Mosaic GPU's dumps")
   p.add_argument("--keep", default=None,
                  help="copy the SASS listing to this file (the dump folder holds many files; with "
@@ -66,17 +69,23 @@ def main(argv=None):
   out.mkdir(parents=True, exist_ok=True)
   os.environ.setdefault("CUDA_ROOT", "/usr/local/cuda-13.0")
   os.environ.update(MOSAIC_GPU_DUMP_TO=str(out), MOSAIC_GPU_DUMP_SASS="1",
-                    MOSAIC_GPU_DUMP_PTXAS="1")
+                    MOSAIC_GPU_DUMP_PTXAS="1", MOSAIC_GPU_DUMP_PTX="1")
   import jax  # after the environment: Mosaic GPU reads it when it compiles
   import jax.numpy as jnp
   import pallas_attn as pa
 
-  heads = 2048 // args.head_dim
-  shape = (16384 // args.seq, args.seq, heads, args.head_dim)
-  q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(3))
-  fwd = jax.jit(lambda q, k, v: pa.attention(q, k, v, is_causal=args.causal,
-                                             implementation="mosaic_gpu"))
-  fwd(q, k, v).block_until_ready()
+  if args.kernel == "dqkv":
+    from benchmarks import bwd_parts  # (imports jax: after the environment too)
+    arrays = bwd_parts.shape_arrays(args.head_dim, args.seq, args.causal, interpret=False)
+    jax.block_until_ready(bwd_parts.parts(args.head_dim, args.causal, interpret=False)["dqkv"](
+        *arrays))
+  else:
+    heads = 2048 // args.head_dim
+    shape = (16384 // args.seq, args.seq, heads, args.head_dim)
+    q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(3))
+    fwd = jax.jit(lambda q, k, v: pa.attention(q, k, v, is_causal=args.causal,
+                                               implementation="mosaic_gpu"))
+    fwd(q, k, v).block_until_ready()
   for path in sorted(f for f in out.rglob("*") if f.is_file()):
     text = path.read_text(errors="replace")
     if "HGMMA" not in text:  # (the PTX and the ptxas log)

@@ -885,3 +885,31 @@ def test_overhead_probe_wave_rows_time_each_impl_and_pass(monkeypatch):
     assert r["ctas"] == 2 * 2 and r["wave_efficiency"] == pytest.approx(4 / 132)
     flops = 4 * 2 * 200 * 200 * 16 * (1.0 if r["pass_"] == "fwd" else 3.5)
     assert r["tflops"] == pytest.approx(flops / (r["ms"] * 1e-3) / 1e12)
+
+
+def test_sink_descriptors_recomputes_each_descriptor_at_its_uses():
+  """scripts/sink_descriptors.py: a descriptor made before a loop is removed there and made again,
+  in a fresh register, in front of each instruction that reads it; other lines stay."""
+  sys.path.insert(0, str(ROOT / "scripts"))
+  import sink_descriptors
+  ptx = "\n".join([
+      "\t.reg .b64 \t%rd<9>;",
+      "\tor.b64 \t%rd5, %rd4, 4611686568183201792;",
+      "\tadd.s64 \t%rd6, %rd4, 4611686568183201794;",
+      "\tadd.s64 \t%rd7, %rd4, 16;",  # (a small constant: an address, not a descriptor)
+      "$L__BB0_1:",
+      "\twgmma {%r1}, %rd5, %rd6, p;",
+      "\twgmma {%r1}, %rd5, %rd7, p;",
+  ])
+  text, descriptors, uses = sink_descriptors.sink(ptx)
+  assert (descriptors, uses) == (2, 3)
+  assert text.split("\n") == [
+      "\t.reg .b64 \t%rd<12>;",
+      "\tadd.s64 \t%rd7, %rd4, 16;",
+      "$L__BB0_1:",
+      "\tor.b64 \t%rd9, %rd4, 4611686568183201792;",
+      "\tadd.s64 \t%rd10, %rd4, 4611686568183201794;",
+      "\twgmma {%r1}, %rd9, %rd10, p;",
+      "\tor.b64 \t%rd11, %rd4, 4611686568183201792;",
+      "\twgmma {%r1}, %rd11, %rd7, p;",
+  ]

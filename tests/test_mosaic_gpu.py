@@ -152,6 +152,16 @@ _VARIANTS = {
     "table_d128_always_fused": {"dkv": dataclasses.replace(
         config_lib.DEFAULTS[(128, "dkv")], separate_dq_max_blocks=0,
         separate_dq_max_blocks_skewed=0)},
+    # The K and V tiles' (and dQ's K tiles') indices through an optimization barrier in
+    # each step: the fused kernel as the table runs it at head_dim 128, and the separate
+    # dK/dV kernel with and without the overlap (the same products either way).
+    "table_d128_fused_descriptors_in_step": {"dkv": dataclasses.replace(
+        config_lib.DEFAULTS[(128, "dkv")], separate_dq_max_blocks=0,
+        separate_dq_max_blocks_skewed=0, tile_descriptors_in_step=True)},
+    "descriptors_in_step": {"dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True,
+                                      tile_descriptors_in_step=True)},
+    "overlap_dkv_descriptors_in_step": {"dkv": _K(64, 64, stages=3, overlap_dkv=True,
+                                                  tile_descriptors_in_step=True)},
     # q and dO as the register A operands of S's and dP's wgmmas (interpreted: from shared
     # memory, the same products), with dQ's wgmma left running (dS through shared memory).
     "dq_lhs_in_registers": {"dq": _K(64, 64, co_issue_dp=True, dq_lhs_in_registers=True,
@@ -268,6 +278,9 @@ _VARIANT_CASES = [
     ("table_d64_always_fused", _CAUSAL_203),
     ("table_d128_always_fused", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("table_d64_always_fused", cases.get_case("gqa_causal_lengths_113x203")),
+    ("table_d128_fused_descriptors_in_step", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
+    ("descriptors_in_step", cases.get_case("mqa_113x203").replace(head_dim=128)),
+    ("overlap_dkv_descriptors_in_step", cases.get_case("gqa_causal_lengths_113x203")),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
     ("dq_in_flight", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
     ("dq_in_flight_3stages", _CAUSAL_203),  # up to 4 key blocks a CTA, 3 slots
@@ -506,8 +519,10 @@ def test_dq_step_late_needs_co_issued_column_halves(changes):
     (64, True, None, 4096, True),  # 16.5
     (64, False, None, 512, True),  # 4 each: short, but not skewed
     (64, True, (256, 0), 4096, True),  # a window: 3 each but the last two tiles'
-    (128, True, None, 8192, False),  # head_dim 128: 65 on average, at most 128 apart
-    (128, False, None, 8192, False),  # 128 each
+    (128, True, None, 512, False),  # head_dim 128: 4.5 on average
+    (128, False, None, 512, False),  # 8 each
+    (128, True, None, 1024, True),  # 8.5 on average
+    (128, False, None, 8192, True),  # 128 each
     (128, True, None, 16384, True),  # 129 on average
     (128, False, None, 16384, True),  # 256
 ])
@@ -525,7 +540,8 @@ def test_backward_fuses_dq_by_the_key_tiles_visits(head_dim, is_causal, window, 
     assert (dkv_cfg.block_q, dkv_cfg.block_kv, dkv_cfg.co_issue_dp,
             dkv_cfg.compute_registers) == (dq_cfg.block_q, dq_cfg.block_kv, dq_cfg.co_issue_dp,
                                            dq_cfg.compute_registers)
-    assert not (dkv_cfg.co_issue_dq or dkv_cfg.dq_column_halves or dkv_cfg.dq_step_late)
+    assert not (dkv_cfg.co_issue_dq or dkv_cfg.dq_column_halves or dkv_cfg.dq_step_late
+                or dkv_cfg.tile_descriptors_in_step)
     assert dkv_cfg.co_issue_dkv == static.dkv_cfg.co_issue_dkv
 
 
@@ -832,6 +848,9 @@ _GPU_VARIANTS = {
     "dq_column_halves_co_issue_dq": _VARIANTS["dq_column_halves_co_issue_dq"],
     "dq_column_halves_step_late": _VARIANTS["dq_column_halves_step_late"],
     "table_d128_always_fused": _VARIANTS["table_d128_always_fused"],
+    "table_d128_fused_descriptors_in_step": _VARIANTS["table_d128_fused_descriptors_in_step"],
+    "descriptors_in_step": _VARIANTS["descriptors_in_step"],
+    "overlap_dkv_descriptors_in_step": _VARIANTS["overlap_dkv_descriptors_in_step"],
     "persistent": {"fwd": _K(64, 128, persistent=True)},
     "exp2_fma_overlap_qk": _VARIANTS["exp2_fma_overlap_qk"],
     "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,

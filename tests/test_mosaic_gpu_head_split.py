@@ -143,7 +143,7 @@ def test_tables_with_one_block_per_cta():
 def test_head_split_config_is_checked():
   with pytest.raises(ValueError, match="head_split"):
     _K(64, 64, head_split=True, split_dkv=True)
-  for fused_option in ("dq_column_halves", "co_issue_dq"):
+  for fused_option in ("dq_column_halves", "co_issue_dq", "tile_descriptors_in_step"):
     with pytest.raises(ValueError, match="head_split is a layout of its own"):
       _K(64, 64, head_split=True, fused_dq=True, **{fused_option: True})
   with pytest.raises(ValueError, match="takes no dp_ahead"):

@@ -387,6 +387,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     plgpu.barrier_wait(kv_full.at[wg * 2 + 0])
     plgpu.barrier_wait(kv_full.at[wg * 2 + 1])
 
+    def same_tile(index):
+      """The index of a tile that every step's wgmmas read (K, V): with
+      `cfg.tile_descriptors_in_step`, through `common.per_step_index`, used in the step."""
+      return common.per_step_index(index) if cfg.tile_descriptors_in_step else index
+
     def wait_filled(slot):
       plgpu.barrier_wait(q_full.at[slot])
       plgpu.barrier_wait(do_full.at[slot])
@@ -418,7 +423,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       own_ds[...] = dst
       plgpu.commit_smem()
       if not cfg.dq_column_halves:
-        return [(own_ds.T, k_smem.at[wg])]
+        return [(own_ds.T, k_smem.at[same_tile(wg)])]
       plgpu.barrier_arrive(halves_met[0].at[slot])
       return halves_pairs(slot)
 
@@ -426,7 +431,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       """dq_column_halves: the dQ wgmma pairs of the dS^T tiles in slot `slot`, once both
       warpgroups have written theirs."""
       plgpu.barrier_wait(halves_met[0].at[slot])
-      return [(ds_smem.at[slot, w].T, k_smem.at[w, :, dq_columns]) for w in range(_WGS)]
+      return [(ds_smem.at[slot, w].T, k_smem.at[same_tile(w), :, dq_columns])
+              for w in range(_WGS)]
 
     def late_dq_operands(dst, count):
       """dq_step_late: writes this warpgroup's dS^T of its step `count` to slot count % 2 of the
@@ -497,9 +503,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         wait_filled(slot)
         probabilities = probabilities_of(slot, cols, masked=masked)
 
-        tile = (block_kv, block_q)
-        st_operands = (k_smem.at[wg], q_smem.at[slot].T, tile)  # S^T
-        dpt_operands = (v_smem.at[wg], do_smem.at[slot].T, tile)  # dP^T
+        tile, kv = (block_kv, block_q), same_tile(wg)
+        st_operands = (k_smem.at[kv], q_smem.at[slot].T, tile)  # S^T
+        dpt_operands = (v_smem.at[kv], do_smem.at[slot].T, tile)  # dP^T
         dpt = None
         if cfg.co_issue_dp and "dk" in outputs:
           (pt, chain, keep), dpt = common.matmul_pair(st_operands, dpt_operands, probabilities)
@@ -556,8 +562,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         probabilities = probabilities_of(slot, cols, masked=masked)
 
         def grads_under_dkv(st_ref, dpt_ref):
-          plgpu.wgmma(st_ref, k_smem.at[wg], q_smem.at[slot].T)
-          plgpu.wgmma(dpt_ref, v_smem.at[wg], do_smem.at[slot].T)
+          kv = same_tile(wg)
+          plgpu.wgmma(st_ref, k_smem.at[kv], q_smem.at[slot].T)
+          plgpu.wgmma(dpt_ref, v_smem.at[kv], do_smem.at[slot].T)
           # (After a flush there is no step before: zeros times this step's q, which is
           # loaded, so that every step issues four wgmmas and the waits below count them.)
           common.issue_acc(dkv_accs["dk"], dst_prev,

@@ -110,6 +110,16 @@ def compiler_params(reduction_scratch: bool = True):
   return plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0)
 
 
+def per_step_index(index):
+  """`index` (an int32 scalar) through an optimization barrier: the same value, which LLVM can
+  no longer prove the same at every step of a loop it is taken in. The shared-memory tile that
+  a wgmma reads at `ref.at[per_step_index(i)]` then has its descriptors (one 64-bit value per
+  16 columns of the contraction) built where the wgmma is issued: indexed by a plain
+  loop-invariant `i`, LLVM hoists them out of the loop, and ptxas keeps them live across it,
+  spilling where registers are short (`KernelConfig.tile_descriptors_in_step`)."""
+  return lax.optimization_barrier(jnp.asarray(index, jnp.int32))
+
+
 def matmul(lhs, rhs, shape, while_running=None) -> jax.Array:
   """lhs @ rhs into a fresh float32 [M, N] wgmma accumulator; lhs is a shared-memory ref (or,
   compiled, a register array in the WGMMA layout), rhs a shared-memory ref (possibly

@@ -157,6 +157,16 @@ class KernelConfig:
   # 128 with three compute warpgroups, 32 at 160. H200: 240 lowers the spills of the kernels
   # that spill but is within the noise in speed (session 9).
   compute_registers: int = 232
+  # dK/dV (not head_split): the tiles every step's wgmmas read the same (this warpgroup's K and V
+  # for S^T and dP^T; with fused_dq, the K tiles dQ reads) indexed through
+  # `common.per_step_index`, so that their wgmma descriptors are built in the step instead of
+  # hoisted out of the walk. Hoisted, the d128 fused dK/dV/dQ kernel holds 24 of them (64-bit
+  # each) across the walk and ptxas spills them, reloading before each S^T group (228 B stored,
+  # 360 B loaded a thread; the same PTX with them rebuilt at their wgmmas: 8 / 20 B). H200:
+  # on in head_dim 128's fused kernel (no spills left; fwd+bwd 1.04-1.11x); the separate dK/dV
+  # kernel (0.94-1.00x) and head_dim 64's fused one (0.94-1.03x) are slower with it
+  # (benchmarks/NOTES.md session 20).
+  tile_descriptors_in_step: bool = False
   # Forward only: compute warpgroups a CTA (2 or 3), each owning `block_q` query rows, over one
   # K/V ring. FlashAttention-3's head_dim 64 forward takes 3 (192-row tiles): where a tile's
   # softmax takes longer than its two matmuls, two warpgroups leave the tensor cores idle while
@@ -243,10 +253,10 @@ class KernelConfig:
   # (benchmarks/NOTES.md session 14). 0: always fused. (Without fused_dq: nothing.)
   separate_dq_max_blocks_skewed: int = 0
   # The same where the key tiles visit about as many query blocks each (no mask, a window).
-  # H200, head_dim 128, the fused dQ in column halves a step late over the separate kernels:
-  # 0.94-0.98x at N 512-2048 (8-32 blocks), level at 4096-8192 (64-128), 1.04x at 16384 (256);
-  # causal, 0.85-0.93x at N 512-2048, level at 4096-8192, 1.06x at 16384 (129 on average)
-  # (benchmarks/NOTES.md session 15).
+  # H200, head_dim 128, the fused dQ in column halves a step late (descriptors in the step)
+  # over the separate kernels: 1.00x at N 512 (8 blocks), 1.04-1.11x at 1024-8192 (16-128);
+  # causal 0.97x at N 512 (4.5 on average), 1.00-1.11x at 1024-8192 (benchmarks/NOTES.md
+  # session 20; before the descriptors, session 15: 0.85-0.98x below N 4096).
   separate_dq_max_blocks: int = 0
 
   def runs_persistent(self, tile_blocks) -> bool:
@@ -300,10 +310,11 @@ class KernelConfig:
     if self.fused_dq and self.split_dkv:
       raise ValueError("fused_dq needs dK and dV from one launch (split_dkv=False)")
     if self.head_split and (self.split_dkv or self.dq_column_halves or self.co_issue_dq
-                            or self.dq_step_late):
+                            or self.dq_step_late or self.tile_descriptors_in_step):
       raise ValueError("head_split is a layout of its own: it takes no split_dkv, "
-                       "dq_column_halves, co_issue_dq or dq_step_late (its fused dQ is made in "
-                       "column halves, issued behind dK's wgmma, already)")
+                       "dq_column_halves, co_issue_dq, dq_step_late or tile_descriptors_in_step "
+                       "(its fused dQ is made in column halves, issued behind dK's wgmma, "
+                       "already)")
     if self.head_split and self.fused_dq and self.dp_ahead:
       raise ValueError("head_split with fused_dq takes no dp_ahead (warpgroup 1's dQ part needs "
                        "the query block and head that its dp_ahead loop does not walk)")
@@ -395,10 +406,12 @@ def backward_configs(dq_cfg: KernelConfig, dkv_cfg: KernelConfig,
   its dP co-issue and register split (the two kernels then share one block table)."""
   if not dkv_cfg.fused_dq or dkv_cfg.fuses_dq(key_tile_blocks):
     return dq_cfg, dkv_cfg
+  # (The separate dK/dV kernel keeps its descriptors hoisted: H200, d128, 0.94-1.00x with them
+  # in the step, though it stops spilling; benchmarks/NOTES.md session 20.)
   return dq_cfg, dataclasses.replace(
       dkv_cfg, **UNFUSED_DQ, block_q=dq_cfg.block_q, block_kv=dq_cfg.block_kv,
       stages=dq_cfg.stages, co_issue_dp=dq_cfg.co_issue_dp,
-      compute_registers=dq_cfg.compute_registers)
+      compute_registers=dq_cfg.compute_registers, tile_descriptors_in_step=False)
 
 
 # SMs of an H100 / H200 SXM: the CTAs of a persistent forward (`KernelConfig.persistent`) when no
@@ -463,15 +476,18 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # separate dQ kernel (H200: 1.17 / 1.11 / 1.03x at N 512 / 1024 / 2048; session 14).
     (64, "dkv"): KernelConfig(block_q=128, block_kv=64, fused_dq=True, co_issue_dkv=True,
                               co_issue_dq=True, separate_dq_max_blocks_skewed=12),
-    # head_dim 128: the separate dQ kernel, but where the key tiles visit over 128 query
-    # blocks on average (N 16384, causal or not; GQA alike): the fused dQ in column halves,
-    # dV's, dK's and dQ's wgmmas issued together, dQ's a step late, 240 registers (H200, fwd+bwd
-    # 1.04-1.07x the separate kernels there, level at N 4096-8192, 0.85-0.98x below; session
-    # 15). The separate kernels' dK/dV: dP's wgmma co-issued as in dQ (`backward_configs`).
+    # head_dim 128: the fused dQ in column halves, dV's, dK's and dQ's wgmmas issued together,
+    # dQ's a step late, 240 registers, and the K / V tiles' descriptors built in the step (its
+    # spills, 220-500 B a thread, down to 0). H200, fwd+bwd over the separate kernels: 1.04 /
+    # 1.06 / 1.11 / 1.08x at N 1024 / 2048 / 4096 / 8192, causal 1.00 / 1.05 / 1.11 / 1.10x; at
+    # N 16384 1.04 / 1.06x the same layout without the descriptors in the step; GQA 32 / 8
+    # causal N 4096 1.05x (benchmarks/NOTES.md session 20). Where the key tiles visit at most 8
+    # query blocks on average (N 512 causal or not; 1.00 / 0.97x there) the separate dQ kernel,
+    # whose dK/dV co-issues dP's wgmma as dQ does (`backward_configs`).
     (128, "dkv"): KernelConfig(block_q=64, block_kv=64, co_issue_dkv=True, fused_dq=True,
                                dq_column_halves=True, co_issue_dq=True, dq_step_late=True,
-                               compute_registers=240, separate_dq_max_blocks=128,
-                               separate_dq_max_blocks_skewed=128),
+                               compute_registers=240, tile_descriptors_in_step=True,
+                               separate_dq_max_blocks=8, separate_dq_max_blocks_skewed=8),
     # head_dim 256: dK and dV split by columns between the warpgroups of one key tile (H200,
     # fwd+bwd 1.33-1.41x split_dkv's two launches at N 4096 / 16384, causal and not, in one tuner
     # run; benchmarks/NOTES.md session 8).
