@@ -71,9 +71,10 @@ _THREE_WGS = dict(compute_warpgroups=3, ping_pong=False, compute_registers=160)
 
 
 def _from_unfused(**changes) -> dict:
-  """dK/dV changes from the unfused kernel at 232 registers (head_dim 128's table before session
-  15), whatever the table fuses now: the dQ-in-dK/dV layouts are named in full."""
-  return {**config_lib.UNFUSED_DQ,
+  """dK/dV changes from the unfused kernel at 232 registers with its descriptors hoisted (head_dim
+  128's table before session 15), whatever the table fuses now: the dQ-in-dK/dV layouts are
+  named in full."""
+  return {**config_lib.UNFUSED_DQ, "tile_descriptors_in_step": False,
           "compute_registers": config_lib.KernelConfig.compute_registers, **changes}
 
 
@@ -327,7 +328,8 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   or the same configs as the default's."""
   table_dkv = config_lib.kernel_config(shape.head_dim, "dkv")
   dkv_changes = VARIANTS[name].get("dkv", {})
-  if ((dkv_changes.get("fused_dq") or dkv_changes.get("overlap_dkv"))
+  if ((dkv_changes.get("fused_dq") or dkv_changes.get("overlap_dkv")
+       or dkv_changes.get("tile_descriptors_in_step"))
       and not dkv_changes.get("head_split") and (table_dkv.split_dkv or table_dkv.head_split)):
     return f"does not apply: head_dim {shape.head_dim} splits dK and dV"
   if dkv_changes.get("co_issue_dq") and not dkv_changes.get("fused_dq", table_dkv.fused_dq):
