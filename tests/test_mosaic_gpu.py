@@ -148,16 +148,14 @@ _VARIANTS = {
     # kernel (causal rows of a few blocks: `separate_dq_max_blocks_skewed`).
     "table_d64_always_fused": {"dkv": dataclasses.replace(
         config_lib.DEFAULTS[(64, "dkv")], separate_dq_max_blocks_skewed=0)},
-    # ... and head_dim 128's, which the table runs where key tiles visit over 128 query blocks.
+    # ... and head_dim 128's (its K / V tiles' descriptors built in the step), which the table
+    # runs where key tiles visit over 8 query blocks.
     "table_d128_always_fused": {"dkv": dataclasses.replace(
         config_lib.DEFAULTS[(128, "dkv")], separate_dq_max_blocks=0,
         separate_dq_max_blocks_skewed=0)},
-    # The K and V tiles' (and dQ's K tiles') indices through an optimization barrier in
-    # each step: the fused kernel as the table runs it at head_dim 128, and the separate
-    # dK/dV kernel with and without the overlap (the same products either way).
-    "table_d128_fused_descriptors_in_step": {"dkv": dataclasses.replace(
-        config_lib.DEFAULTS[(128, "dkv")], separate_dq_max_blocks=0,
-        separate_dq_max_blocks_skewed=0, tile_descriptors_in_step=True)},
+    # The K and V tiles' indices through an optimization barrier in each step (the fused
+    # kernel's: `table_d128_always_fused`) in the separate dK/dV kernel, with and without the
+    # overlap (the same products either way).
     "descriptors_in_step": {"dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True,
                                       tile_descriptors_in_step=True)},
     "overlap_dkv_descriptors_in_step": {"dkv": _K(64, 64, stages=3, overlap_dkv=True,
@@ -278,7 +276,7 @@ _VARIANT_CASES = [
     ("table_d64_always_fused", _CAUSAL_203),
     ("table_d128_always_fused", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("table_d64_always_fused", cases.get_case("gqa_causal_lengths_113x203")),
-    ("table_d128_fused_descriptors_in_step", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
+    ("table_d128_always_fused", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
     ("descriptors_in_step", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("overlap_dkv_descriptors_in_step", cases.get_case("gqa_causal_lengths_113x203")),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
@@ -848,7 +846,6 @@ _GPU_VARIANTS = {
     "dq_column_halves_co_issue_dq": _VARIANTS["dq_column_halves_co_issue_dq"],
     "dq_column_halves_step_late": _VARIANTS["dq_column_halves_step_late"],
     "table_d128_always_fused": _VARIANTS["table_d128_always_fused"],
-    "table_d128_fused_descriptors_in_step": _VARIANTS["table_d128_fused_descriptors_in_step"],
     "descriptors_in_step": _VARIANTS["descriptors_in_step"],
     "overlap_dkv_descriptors_in_step": _VARIANTS["overlap_dkv_descriptors_in_step"],
     "persistent": {"fwd": _K(64, 128, persistent=True)},
