@@ -308,6 +308,16 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_halves_late_descriptors_in_step_regs240": {"dkv": dict(
         _FUSED_CO_DKV_DQ, dq_column_halves=True, dq_step_late=True, compute_registers=240,
         tile_descriptors_in_step=True)},
+    # Session 21. head_dim 256: the head split's loop-invariant tiles (dK/dV: K and V, 16
+    # descriptors each; dQ: q and dO) indexed in the step, and the fused head split with them
+    # (its 1044 B of spills a thread: 0 in the same PTX with the descriptors at their uses).
+    "dq_descriptors_in_step": {"dq": dict(tile_descriptors_in_step=True)},
+    "descriptors_in_step": {k: dict(tile_descriptors_in_step=True) for k in ("dq", "dkv")},
+    "head_split_fused_dq_descriptors_in_step": {"dkv": _from_unfused(
+        head_split=True, split_dkv=False, fused_dq=True, stages=1, tile_descriptors_in_step=True)},
+    "head_split_fused_dq_descriptors_in_step_regs240": {"dkv": _from_unfused(
+        head_split=True, split_dkv=False, fused_dq=True, stages=1, compute_registers=240,
+        tile_descriptors_in_step=True)},
 }
 
 _DEFAULT = "default"
@@ -328,10 +338,13 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   or the same configs as the default's."""
   table_dkv = config_lib.kernel_config(shape.head_dim, "dkv")
   dkv_changes = VARIANTS[name].get("dkv", {})
-  if ((dkv_changes.get("fused_dq") or dkv_changes.get("overlap_dkv")
-       or dkv_changes.get("tile_descriptors_in_step"))
+  if ((dkv_changes.get("fused_dq") or dkv_changes.get("overlap_dkv"))
       and not dkv_changes.get("head_split") and (table_dkv.split_dkv or table_dkv.head_split)):
     return f"does not apply: head_dim {shape.head_dim} splits dK and dV"
+  if (VARIANTS[name].get("dq", {}).get("tile_descriptors_in_step")
+      and not config_lib.kernel_config(shape.head_dim, "dq").head_split):
+    return (f"does not apply: the dQ kernel builds its descriptors in the step only in the head "
+            f"split (head_dim 256), not at {shape.head_dim}")
   if dkv_changes.get("co_issue_dq") and not dkv_changes.get("fused_dq", table_dkv.fused_dq):
     return (f"does not apply: co_issue_dq is the fused dQ's option, and head_dim "
             f"{shape.head_dim}'s table has the separate dQ kernel")

@@ -1,8 +1,9 @@
 """Dump the SASS of one of the table's kernels at one shape, and count its instructions.
 
 Usage (on the H200): PYTHONPATH=. python scripts/dump_sass.py --head-dim 64 --out $OUT/sass
-(`--kernel dqkv`: the dK/dV kernel that also makes dQ, the table's fused layout forced on, as in
-`benchmarks.bwd_parts`; default the forward.)
+(`--kernel dq|dkv|dqkv`: the backward's kernels as `benchmarks.bwd_parts` runs them: the table's
+dQ kernel, its dK/dV kernel without dQ, and the dK/dV kernel that also makes dQ, the table's fused
+layout forced on; default the forward.)
 Mosaic GPU writes the kernel's PTX, ptxas log and SASS under --out (MOSAIC_GPU_DUMP_*; nvdisasm
 comes from CUDA_ROOT, which the device image's pip-installed CUDA does not set). Then the
 mnemonics of each dumped file that holds SASS (HGMMA instructions) are counted, whole kernel and
@@ -59,7 +60,7 @@ def main(argv=None):
   p.add_argument("--head-dim", type=int, default=64)
   p.add_argument("--seq", type=int, default=4096)
   p.add_argument("--causal", action="store_true")
-  p.add_argument("--kernel", choices=("fwd", "dqkv"), default="fwd")
+  p.add_argument("--kernel", choices=("fwd", "dq", "dkv", "dqkv"), default="fwd")
   p.add_argument("--out", required=True, help="folder for Mosaic GPU's dumps")
   p.add_argument("--keep", default=None,
                  help="copy the SASS listing to this file (the dump folder holds many files; with "
@@ -74,11 +75,11 @@ def main(argv=None):
   import jax.numpy as jnp
   import pallas_attn as pa
 
-  if args.kernel == "dqkv":
+  if args.kernel != "fwd":
     from benchmarks import bwd_parts  # (imports jax: after the environment too)
     arrays = bwd_parts.shape_arrays(args.head_dim, args.seq, args.causal, interpret=False)
-    jax.block_until_ready(bwd_parts.parts(args.head_dim, args.causal, interpret=False)["dqkv"](
-        *arrays))
+    jax.block_until_ready(bwd_parts.parts(args.head_dim, args.causal, interpret=False)[
+        args.kernel](*arrays))
   else:
     heads = 2048 // args.head_dim
     shape = (16384 // args.seq, args.seq, heads, args.head_dim)

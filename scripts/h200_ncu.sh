@@ -3,7 +3,8 @@
 # forward + backward, and the fused dK/dV/dQ kernel) at NCU_ARGS' shape (default d128 N 4096).
 # First a cheap pass (names and durations of LIST_COUNT launches matching LIST_KERNELS; SKIP_LIST=1
 # leaves it out), then NCU_SET's sections on NCU_COUNT launches matching NCU_KERNELS after the
-# first NCU_SKIP; reports and their text pages land in $OUT. Clocks left alone.
+# first NCU_SKIP; reports and their text pages land in $OUT (NCU_SOURCE=1: the SASS source page
+# too). Clocks left alone.
 set -u
 # No preallocation: the profiler saves and restores the device memory in use around each replay.
 export PYTHONPATH=. PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
@@ -30,4 +31,9 @@ echo "prof exit $?"
 tail -5 "$OUT/prof.log"
 "$NCU" -i "$OUT/prof.ncu-rep" --page details --print-details all >"$OUT/details.txt" 2>&1
 "$NCU" -i "$OUT/prof.ncu-rep" --page raw --csv >"$OUT/raw.csv" 2>&1
+# NCU_SOURCE=1: the per-SASS-instruction counters (stall reasons by offset) of every profiled
+# kernel, gzipped.
+if [ -n "${NCU_SOURCE:-}" ]; then
+  "$NCU" -i "$OUT/prof.ncu-rep" --page source --csv --print-source sass 2>&1 | gzip >"$OUT/source.csv.gz"
+fi
 ls -la "$OUT"

@@ -35,6 +35,10 @@ DP_AHEAD = _K(64, 64, head_split=True, dp_ahead=True)
 SWIZZLED = _K(64, 64, head_split=True, swizzle_f32=True)
 # dQ made in the dK/dV kernel, in column halves (one stage beside the float32 dQ halves).
 FUSED = _K(64, 64, stages=1, head_split=True, fused_dq=True)
+# The tiles every step reads the same (K and V; the dQ kernel's q and dO) indexed in the step.
+IN_STEP = _K(64, 64, head_split=True, tile_descriptors_in_step=True)
+FUSED_IN_STEP = _K(64, 64, stages=1, head_split=True, fused_dq=True, compute_registers=240,
+                   tile_descriptors_in_step=True)
 
 
 def _both(cfg):
@@ -71,6 +75,9 @@ _INTERPRETED = [
     (FUSED, cases.get_case("mqa_113x203").replace(head_dim=256)),
     (FUSED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
     (FUSED, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
+    # The same products with the tiles indexed through the optimization barrier.
+    (IN_STEP, _CAUSAL_203.replace(head_dim=256)),
+    (FUSED_IN_STEP, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
 ]
 
 
@@ -78,7 +85,9 @@ _INTERPRETED = [
     pytest.param(cfg, c.replace(dtype=cases.BF16),
                  id=(f"{cfg.stages}st{'-ahead' if cfg.dp_ahead else ''}"
                      f"{'-swizzled' if cfg.swizzle_f32 else ''}"
-                     f"{'-fused' if cfg.fused_dq else ''}-{c.name}-d{c.head_dim}"))
+                     f"{'-fused' if cfg.fused_dq else ''}"
+                     f"{'-in_step' if cfg.tile_descriptors_in_step else ''}"
+                     f"-{c.name}-d{c.head_dim}"))
     for cfg, c in _INTERPRETED])
 def test_interpreted_head_split_matches_reference(cfg, case, seed):
   with kernel_table(case.head_dim, _both(cfg)):
@@ -143,7 +152,7 @@ def test_tables_with_one_block_per_cta():
 def test_head_split_config_is_checked():
   with pytest.raises(ValueError, match="head_split"):
     _K(64, 64, head_split=True, split_dkv=True)
-  for fused_option in ("dq_column_halves", "co_issue_dq", "tile_descriptors_in_step"):
+  for fused_option in ("dq_column_halves", "co_issue_dq", "dq_step_late"):
     with pytest.raises(ValueError, match="head_split is a layout of its own"):
       _K(64, 64, head_split=True, fused_dq=True, **{fused_option: True})
   with pytest.raises(ValueError, match="takes no dp_ahead"):
@@ -167,7 +176,8 @@ def test_head_split_config_is_checked():
 
 @pytest.mark.parametrize("head_dim,cfg", [(256, HEAD_SPLIT), (128, HEAD_SPLIT),
                                           (256, HEAD_SPLIT_1STAGE), (256, DP_AHEAD),
-                                          (256, FUSED), (128, FUSED)])
+                                          (256, FUSED), (128, FUSED), (256, IN_STEP),
+                                          (256, FUSED_IN_STEP)])
 def test_head_split_lowers_for_cuda(head_dim, cfg):
   """The real lowering (the interpreter runs neither register operands nor the TMA rules), and
   the shared-memory check: two stages fit at head_dim 256 (dK/dV 226 KiB, dQ 218 KiB), and
@@ -208,7 +218,9 @@ def test_fused_head_split_needs_its_stage():
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
                                  pytest.param(DP_AHEAD, id="dp_ahead"),
                                  pytest.param(SWIZZLED, id="swizzled"),
-                                 pytest.param(FUSED, id="fused")])
+                                 pytest.param(FUSED, id="fused"),
+                                 pytest.param(IN_STEP, id="in_step"),
+                                 pytest.param(FUSED_IN_STEP, id="fused_in_step")])
 @pytest.mark.parametrize("case", [
     pytest.param(c.replace(dtype=cases.BF16, head_dim=d), id=f"{c.name}-d{d}")
     for d in (256, 128)
@@ -223,7 +235,8 @@ def test_gpu_head_split_matches_reference(case, cfg, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
-                                 pytest.param(FUSED, id="fused")])
+                                 pytest.param(FUSED, id="fused"),
+                                 pytest.param(FUSED_IN_STEP, id="fused_in_step")])
 @pytest.mark.parametrize("name", list(mods_tests._CASES))
 def test_gpu_head_split_with_modifiers(name, cfg, seed):
   with kernel_table(256, _both(cfg)):

@@ -387,10 +387,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     plgpu.barrier_wait(kv_full.at[wg * 2 + 0])
     plgpu.barrier_wait(kv_full.at[wg * 2 + 1])
 
-    def same_tile(index):
-      """The index of a tile that every step's wgmmas read (K, V): with
-      `cfg.tile_descriptors_in_step`, through `common.per_step_index`, used in the step."""
-      return common.per_step_index(index) if cfg.tile_descriptors_in_step else index
+    same_tile = functools.partial(common.same_tile_index, in_step=cfg.tile_descriptors_in_step)
 
     def wait_filled(slot):
       plgpu.barrier_wait(q_full.at[slot])

@@ -120,6 +120,13 @@ def per_step_index(index):
   return lax.optimization_barrier(jnp.asarray(index, jnp.int32))
 
 
+def same_tile_index(index, in_step: bool):
+  """The index of a tile that every step of a loop reads the same (K, V of a key tile; q, dO of
+  a query tile): through `per_step_index` where `in_step` (`KernelConfig.tile_descriptors_in_step`,
+  taken inside the step), else `index` itself."""
+  return per_step_index(index) if in_step else index
+
+
 def matmul(lhs, rhs, shape, while_running=None) -> jax.Array:
   """lhs @ rhs into a fresh float32 [M, N] wgmma accumulator; lhs is a shared-memory ref (or,
   compiled, a register array in the WGMMA layout), rhs a shared-memory ref (possibly

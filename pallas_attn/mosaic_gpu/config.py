@@ -157,15 +157,17 @@ class KernelConfig:
   # 128 with three compute warpgroups, 32 at 160. H200: 240 lowers the spills of the kernels
   # that spill but is within the noise in speed (session 9).
   compute_registers: int = 232
-  # dK/dV (not head_split): the tiles every step's wgmmas read the same (this warpgroup's K and V
-  # for S^T and dP^T; with fused_dq, the K tiles dQ reads) indexed through
-  # `common.per_step_index`, so that their wgmma descriptors are built in the step instead of
-  # hoisted out of the walk. Hoisted, the d128 fused dK/dV/dQ kernel holds 24 of them (64-bit
-  # each) across the walk and ptxas spills them, reloading before each S^T group (228 B stored,
-  # 360 B loaded a thread; the same PTX with them rebuilt at their wgmmas: 8 / 20 B). H200:
-  # on in head_dim 128's fused kernel (no spills left; fwd+bwd 1.04-1.11x); the separate dK/dV
-  # kernel (0.94-1.00x) and head_dim 64's fused one (0.94-1.03x) are slower with it
-  # (benchmarks/NOTES.md session 20).
+  # Backward: the tiles every step's wgmmas read the same (dK/dV: this warpgroup's K and V for
+  # S^T and dP^T, with fused_dq the K tiles dQ reads; the head-split dQ kernel's q and dO; the
+  # plain dQ kernel ignores it) indexed through `common.per_step_index`, so that their wgmma
+  # descriptors are built in the step instead of hoisted out of the walk. Hoisted, the d128
+  # fused dK/dV/dQ kernel holds 24 of them (64-bit each) across the walk and ptxas spills them,
+  # reloading before each S^T group (228 B stored, 360 B loaded a thread; the same PTX with them
+  # rebuilt at their wgmmas: 8 / 20 B). H200: on in head_dim 128's fused kernel (no spills
+  # left; fwd+bwd 1.04-1.11x); the separate dK/dV kernel (0.94-1.00x), head_dim 64's fused one
+  # (0.94-1.03x) and head_dim 256's head split (0.97-0.99x) are slower with it; the fused head
+  # split is 1.2x faster with it but still 0.71-0.83x the table (benchmarks/NOTES.md sessions
+  # 20, 21).
   tile_descriptors_in_step: bool = False
   # Forward only: compute warpgroups a CTA (2 or 3), each owning `block_q` query rows, over one
   # K/V ring. FlashAttention-3's head_dim 64 forward takes 3 (192-row tiles): where a tile's
@@ -310,11 +312,10 @@ class KernelConfig:
     if self.fused_dq and self.split_dkv:
       raise ValueError("fused_dq needs dK and dV from one launch (split_dkv=False)")
     if self.head_split and (self.split_dkv or self.dq_column_halves or self.co_issue_dq
-                            or self.dq_step_late or self.tile_descriptors_in_step):
+                            or self.dq_step_late):
       raise ValueError("head_split is a layout of its own: it takes no split_dkv, "
-                       "dq_column_halves, co_issue_dq, dq_step_late or tile_descriptors_in_step "
-                       "(its fused dQ is made in column halves, issued behind dK's wgmma, "
-                       "already)")
+                       "dq_column_halves, co_issue_dq or dq_step_late (its fused dQ is made in "
+                       "column halves, issued behind dK's wgmma, already)")
     if self.head_split and self.fused_dq and self.dp_ahead:
       raise ValueError("head_split with fused_dq takes no dp_ahead (warpgroup 1's dQ part needs "
                        "the query block and head that its dp_ahead loop does not walk)")

@@ -93,6 +93,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
   rows = (batch, pl.ds(kv_start, block_kv), kv_head)
   acc_shape = (block_kv, head_dim // 2)
+  # The K and V tiles (scratch of one) as every step's wgmmas read them: with
+  # cfg.tile_descriptors_in_step their descriptors are built in the step (`common.per_step_index`).
+  same = lambda: common.same_tile_index(0, cfg.tile_descriptors_in_step)
   stage = staging[0].at[wg] if staging else None  # (the interpreter's register operands)
   if dq_acc_ref is not None:  # cfg.fused_dq
     (dq_out_smem,) = dq_smem
@@ -113,7 +116,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         return common.matmul_acc_smem(*accumulating, stage is not None), lambda: None
       return common.matmul_acc(*accumulating, stage), lambda: None
     parts = _dq_parts(half)
-    dq_pairs = lambda cols: [(dst_smem.T, k_smem.at[:, cols])]
+    dq_pairs = lambda cols: [(dst_smem.T, k_smem.at[same(), :, cols])]
     dq_shape = (block_q, parts[0].size)
     if stage is not None and dst_in_smem:  # (interpreted: no staging of a smem operand)
       dk, part = (common.matmul_acc_smem(*accumulating, True),
@@ -155,8 +158,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     """Both tiles in, for both warpgroups (each one's epilogue overwrites half of both)."""
     @pl.when(wg == _SCORES)
     def _():
-      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem, kv_full.at[0])
-      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem, kv_full.at[1])
+      plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[0], kv_full.at[0])
+      plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[0], kv_full.at[1])
 
     plgpu.barrier_wait(kv_full.at[0])
     plgpu.barrier_wait(kv_full.at[1])
@@ -176,7 +179,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       scores = key_scores.for_head(kv_head * groups + g) if mods.per_head else key_scores
       cols = scores.columns(qi, block_q, masked=masked)
       wait_filled(slot)
-      st = common.matmul(k_smem, q_smem.at[slot].T, (block_kv, block_q))  # S^T
+      st = common.matmul(k_smem.at[same()], q_smem.at[slot].T, (block_kv, block_q))  # S^T
       st, chain = scores(st, cols, masked=masked)
       lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
       pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
@@ -206,8 +209,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     dk, dv, count = walk(step)
     _wait_unless_first(count, ds_free)  # warpgroup 1's last release (every phase has a waiter)
 
-    _store_halves(dk * scale, dv, k_smem, v_smem, (k_smem, dk_ref), rows, half, dtype,
-                  halves_written)
+    _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (k_smem.at[0], dk_ref), rows, half,
+                  dtype, halves_written)
 
   @pl.when(wg == _DP)
   def _dp_warpgroup():
@@ -219,7 +222,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       del masked  # (warpgroup 0 applies the mask and the modifiers)
       dk, dv = acc
       wait_filled(slot)
-      dpt = common.matmul(v_smem, do_smem.at[slot].T, (block_kv, block_q))  # dP^T
+      dpt = common.matmul(v_smem.at[same()], do_smem.at[slot].T, (block_kv, block_q))  # dP^T
 
       _wait_unless_first(count, dpt_free)  # warpgroup 0 has read the last dP^T
       dpt_smem[...] = dpt
@@ -234,7 +237,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
     def dpt_of(slot):
       plgpu.barrier_wait(do_full.at[slot])
-      return common.matmul(v_smem, do_smem.at[slot].T, (block_kv, block_q))  # dP^T
+      return common.matmul(v_smem.at[same()], do_smem.at[slot].T, (block_kv, block_q))
 
     def step_ahead(slot, count, dpt, next_dpt, acc):
       """Step `count` with its dP^T made the step before; the next step's dP^T is computed after
@@ -261,8 +264,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dk, dv, count = walk(step)
     _wait_unless_first(count, dpt_free)  # warpgroup 0's last read of dP^T
 
-    _store_halves(dk * scale, dv, k_smem, v_smem, (v_smem, dv_ref), rows, half, dtype,
-                  halves_written)
+    _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (v_smem.at[0], dv_ref), rows, half,
+                  dtype, halves_written)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -402,8 +405,8 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
   meeting = plgpu.Barrier  # one warpgroup arrives, the other waits
   parts = _dq_parts(_half(0, head_dim))  # (fused_dq)
   return [
-      tile(cfg.block_kv, head_dim),  # k, then dk out
-      tile(cfg.block_kv, head_dim),  # v, then dv out
+      tile(1, cfg.block_kv, head_dim),  # k, then dk out (a leading 1: `same` in _dkv_kernel)
+      tile(1, cfg.block_kv, head_dim),  # v, then dv out
       tile(cfg.stages, cfg.block_q, head_dim),  # q ring
       tile(cfg.stages, cfg.block_q, head_dim),  # dO ring
       plgpu.SMEM((cfg.stages, cfg.block_q), jnp.float32),  # lse ring
@@ -463,6 +466,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
 
   rows = (batch, pl.ds(q_start, block_q), head)
   stats = (batch, head, pl.ds(q_start, block_q))
+  # The q and dO tiles (scratch of one) as every step's wgmmas read them (see `_dkv_kernel`).
+  same = lambda: common.same_tile_index(0, cfg.tile_descriptors_in_step)
   stage = staging[0] if staging else None  # (the interpreter's register operand, warpgroup 0)
 
   def load_rows():
@@ -470,8 +475,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
     the q tile)."""
     @pl.when(wg == _SCORES)
     def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem, q_full.at[0])
-      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem, q_full.at[1])
+      plgpu.copy_gmem_to_smem(q_ref.at[rows], q_smem.at[0], q_full.at[0])
+      plgpu.copy_gmem_to_smem(do_ref.at[rows], do_smem.at[0], q_full.at[1])
       plgpu.copy_gmem_to_smem(lse_ref.at[stats], lse_smem, q_full.at[2])
       plgpu.copy_gmem_to_smem(delta_ref.at[stats], delta_smem, q_full.at[3])
 
@@ -498,7 +503,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
     """This warpgroup's half of dQ into the q tile (warpgroup 0's last read of it is behind its
     last dS signal, which warpgroup 1 waited for); warpgroup 0 stores the tile once both halves
     are in."""
-    q_smem.at[:, half][...] = (dq * scale).astype(dtype)
+    q_smem.at[0, :, half][...] = (dq * scale).astype(dtype)
     plgpu.commit_smem()
     plgpu.barrier_arrive(halves_written)
     plgpu.barrier_wait(halves_written)
@@ -519,7 +524,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       (dq,) = acc
       cols = scores.columns(j, block_kv, masked=masked)
       wait_filled(slot)
-      s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv))
+      s = common.matmul(q_smem.at[same()], k_smem.at[slot].T, (block_q, block_kv))
       s, chain = scores(s, cols, masked=masked)
       p = jnp.exp2(s - common.broadcast_rows(lse2, s.shape))  # [block_q, block_kv]
       plgpu.barrier_wait(dp_full)
@@ -537,7 +542,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
     dq, count = walk(step)
     _wait_unless_first(count, ds_free)  # warpgroup 1's last read of dS
     store(dq, half)
-    plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[rows])
+    plgpu.copy_smem_to_gmem(q_smem.at[0], dq_ref.at[rows])
     plgpu.wait_smem_to_gmem(0)
 
   @pl.when(wg == _DP)
@@ -550,7 +555,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       del j, g, masked  # (warpgroup 0 applies the mask and the modifiers)
       (dq,) = acc
       wait_filled(slot)
-      dp = common.matmul(do_smem, v_smem.at[slot].T, (block_q, block_kv))
+      dp = common.matmul(do_smem.at[same()], v_smem.at[slot].T, (block_q, block_kv))
       _wait_unless_first(count, dp_free)  # warpgroup 0 has read the last dP
       dp_smem[...] = dp
       plgpu.barrier_arrive(dp_full)
@@ -561,7 +566,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
 
     def dp_of(slot):
       plgpu.barrier_wait(v_full.at[slot])
-      return common.matmul(do_smem, v_smem.at[slot].T, (block_q, block_kv))
+      return common.matmul(do_smem.at[same()], v_smem.at[slot].T, (block_q, block_kv))
 
     def step_ahead(slot, count, dp, next_dp, acc):
       """Step `count` with its dP made the step before; the next block's dP is computed before
@@ -616,8 +621,8 @@ def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpr
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
   freed = lambda: plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages)
   return [
-      tile(cfg.block_q, head_dim),  # q, then dq out
-      tile(cfg.block_q, head_dim),  # dO
+      tile(1, cfg.block_q, head_dim),  # q, then dq out (a leading 1: `same` in _dq_kernel)
+      tile(1, cfg.block_q, head_dim),  # dO
       plgpu.SMEM((cfg.block_q,), jnp.float32),  # lse
       plgpu.SMEM((cfg.block_q,), jnp.float32),  # delta
       tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
