@@ -66,11 +66,6 @@ def layouts(head_dim: int) -> tuple:
   runs beside the dQ kernel (the table's separate kernels)."""
   dq_cfg = config_lib.dq_config(head_dim)
   table_dkv = config_lib.dkv_config(head_dim)
-  if not table_dkv.fused_dq:
-    # head_dim 256: the head split's fused dQ is an option, one stage; at its fastest, 240
-    # registers and the tiles indexed in the step (benchmarks/NOTES.md session 21).
-    return dq_cfg, dataclasses.replace(table_dkv, fused_dq=True, stages=1, compute_registers=240,
-                                       tile_descriptors_in_step=True), table_dkv
   fused = dataclasses.replace(table_dkv, separate_dq_max_blocks=0,
                               separate_dq_max_blocks_skewed=0)
   never = dataclasses.replace(table_dkv, separate_dq_max_blocks=1 << 30,

@@ -180,7 +180,7 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_head_split": {"dkv": _from_unfused(head_split=True, split_dkv=False, stages=2)},
     "dkv_head_split_1st": {"dkv": _from_unfused(head_split=True, split_dkv=False, stages=1)},
     # Warpgroup 1 makes dP a step ahead (benchmarks/NOTES.md session 9: 0.91-0.97x; off).
-    "head_split_dp_ahead": {"dq": dict(dp_ahead=True), "dkv": dict(dp_ahead=True)},
+    "head_split_dp_ahead": {"dq": dict(dp_ahead=True), "dkv": _from_unfused(dp_ahead=True)},
     "dq_head_split": {"dq": dict(head_split=True, stages=2)},
     "dq_head_split_1st": {"dq": dict(head_split=True, stages=1)},
     "head_split": {"dq": dict(head_split=True, stages=2),
@@ -194,7 +194,7 @@ VARIANTS: dict[str, dict[str, dict]] = {
                                                          compute_registers=240)},
     # head_dim 256 before session 8: dV, then dK, in two launches with one-slot rings; dQ with
     # its [64, 256] accumulator and a one-slot ring.
-    "dkv_split_launches": {"dkv": dict(head_split=False, split_dkv=True, stages=1)},
+    "dkv_split_launches": {"dkv": _from_unfused(head_split=False, split_dkv=True, stages=1)},
     "dq_one_warpgroup_1st": {"dq": dict(head_split=False, stages=1)},
     # h. The fused dQ in column halves (FA3's layout: each warpgroup half of dQ's columns from
     # both warpgroups' dS^T; head_dim >= 128).
@@ -206,8 +206,8 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_fused_dq_regs240": {"dkv": _from_unfused(fused_dq=True, compute_registers=240)},
     "dkv_dq_halves_regs240": {"dkv": _from_unfused(fused_dq=True, dq_column_halves=True,
                                                    compute_registers=240)},
-    "head_split_dp_ahead_regs240": {k: dict(dp_ahead=True, compute_registers=240)
-                                    for k in ("dq", "dkv")},
+    "head_split_dp_ahead_regs240": {"dq": dict(dp_ahead=True, compute_registers=240),
+                                    "dkv": _from_unfused(dp_ahead=True, compute_registers=240)},
     # j. Swizzled float32 tiles (the fused dQ part, the head split's dP hand-over).
     "swizzle_f32": {k: dict(swizzle_f32=True) for k in KERNELS},
     "dkv_fused_dq_swizzled": {"dkv": _from_unfused(fused_dq=True, swizzle_f32=True)},
@@ -318,6 +318,11 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "head_split_fused_dq_descriptors_in_step_regs240": {"dkv": _from_unfused(
         head_split=True, split_dkv=False, fused_dq=True, stages=1, compute_registers=240,
         tile_descriptors_in_step=True)},
+    # ... with q in two stages beside one dO slot (FA3's d256 backward) and one float32 dQ tile
+    # a warpgroup.
+    "head_split_fused_dq_two_q_stages": {"dkv": _from_unfused(
+        head_split=True, split_dkv=False, fused_dq=True, stages=2, one_do_slot=True,
+        compute_registers=240, tile_descriptors_in_step=True)},
 }
 
 _DEFAULT = "default"
@@ -348,6 +353,9 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   if dkv_changes.get("co_issue_dq") and not dkv_changes.get("fused_dq", table_dkv.fused_dq):
     return (f"does not apply: co_issue_dq is the fused dQ's option, and head_dim "
             f"{shape.head_dim}'s table has the separate dQ kernel")
+  if dkv_changes.get("co_issue_dq") and dkv_changes.get("head_split", table_dkv.head_split):
+    return (f"does not apply: head_dim {shape.head_dim}'s head split issues its fused dQ behind "
+            f"dK's wgmma already")
   if (any(c.get("dp_ahead") for c in VARIANTS[name].values())
       and not config_lib.kernel_config(shape.head_dim, "dq").head_split):
     return f"does not apply: dp_ahead is a head_split option (head_dim 256), not {shape.head_dim}"

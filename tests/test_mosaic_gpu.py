@@ -272,7 +272,6 @@ _VARIANT_CASES = [
     ("dq_column_halves_step_late",
      cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
     ("dq_column_halves_step_late", cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
-    ("dq_column_halves_step_late", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
     ("table_d64_always_fused", _CAUSAL_203),
     ("table_d128_always_fused", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("table_d64_always_fused", cases.get_case("gqa_causal_lengths_113x203")),
@@ -282,36 +281,35 @@ _VARIANT_CASES = [
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
     ("dq_in_flight", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
     ("dq_in_flight_3stages", _CAUSAL_203),  # up to 4 key blocks a CTA, 3 slots
-    ("dq_in_flight_q128", _GQA_CAUSAL_LENGTHS_330),
+    ("dq_in_flight_q128", _CAUSAL_203),
     ("overlap_dq", _CAUSAL_203.replace(head_dim=128)),
     ("overlap_dq", cases.get_case("gqa_causal_lengths_113x203")),  # CTAs with no key block
     ("overlap_dq_2stages", cases.get_case("window_l32_r8_203x113")),
-    ("overlap_dq_q128", _GQA_CAUSAL_LENGTHS_330),
+    ("overlap_dq_q128", _CAUSAL_203),
     ("overlap_dkv", _CAUSAL_203.replace(head_dim=128)),
     ("overlap_dkv", cases.get_case("gqa_causal_lengths_113x203")),  # key tiles past every query
     ("overlap_dkv_2stages", cases.get_case("window_l32_r8_203x113")),
-    ("overlap_dkv_q128", _GQA_CAUSAL_LENGTHS_330),
+    ("overlap_dkv_q128", _CAUSAL_203),
     ("exp2_fma", _CAUSAL_203),
     ("exp2_fma", cases.get_case("lengths_kv0_113x203")),  # rows with no key: l stays 0
-    ("exp2_fma_overlap_qk", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
+    ("exp2_fma_overlap_qk", _CAUSAL_203.replace(head_dim=128)),
     ("exp2_fma_whole_tile", cases.get_case("window_l32_r8_203x113")),
     ("split_launches", cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     ("persistent", _GQA_203),
     ("persistent", _GQA_CAUSAL_203),
     ("persistent", cases.get_case("lengths_kv0_113x203")),  # items with no key at all
-    ("persistent_heavy_first_overlap_qk", _GQA_CAUSAL_LENGTHS_330),
+    ("persistent_heavy_first_overlap_qk", _GQA_CAUSAL_203),
     # 4 query tiles a head (2 pairs), 16 units on 3 CTAs; causal with lengths; 3 tiles (odd:
     # single tiles); and past persistent_max_blocks (the one-tile grid).
     ("persistent_pairs", _GQA_CAUSAL_460),
     ("persistent_pairs_ping_pong", _GQA_CAUSAL_LENGTHS_330.replace(q_len=460, kv_len=460,
                                                                    q_lengths=[460, 201])),
-    ("persistent_pairs", _GQA_CAUSAL_LENGTHS_330),
     ("persistent_pairs", cases.get_case("mha_17x17").replace(q_len=113, kv_len=600,
                                                              name="mha_113x600")),
     ("three_warpgroups", _CAUSAL_203),  # 256 rows: the second CTA's last two tiles are past
     ("three_warpgroups", cases.get_case("gqa_causal_lengths_113x203")),
     ("three_warpgroups", cases.get_case("lengths_kv0_113x203")),
-    ("three_warpgroups_overlap_qk", _GQA_CAUSAL_LENGTHS_330),
+    ("three_warpgroups_overlap_qk", _CAUSAL_203),
     ("three_warpgroups_persistent_pairs", _GQA_CAUSAL_460),
     ("three_warpgroups_persistent_pairs", cases.get_case("window_l32_r8_203x113")),
 ]
@@ -523,6 +521,9 @@ def test_dq_step_late_needs_co_issued_column_halves(changes):
     (128, False, None, 8192, True),  # 128 each
     (128, True, None, 16384, True),  # 129 on average
     (128, False, None, 16384, True),  # 256
+    (256, False, None, 512, False),  # head_dim 256 (the head split): 8 each
+    (256, True, None, 1024, True),  # 8.5 on average
+    (256, False, None, 16384, True),  # 256
 ])
 def test_backward_fuses_dq_by_the_key_tiles_visits(head_dim, is_causal, window, seq, fused):
   """`separate_dq_max_blocks(_skewed)`: rows of a few blocks take the separate dQ kernel, and
@@ -539,7 +540,8 @@ def test_backward_fuses_dq_by_the_key_tiles_visits(head_dim, is_causal, window, 
             dkv_cfg.compute_registers) == (dq_cfg.block_q, dq_cfg.block_kv, dq_cfg.co_issue_dp,
                                            dq_cfg.compute_registers)
     assert not (dkv_cfg.co_issue_dq or dkv_cfg.dq_column_halves or dkv_cfg.dq_step_late
-                or dkv_cfg.tile_descriptors_in_step)
+                or dkv_cfg.tile_descriptors_in_step or dkv_cfg.one_do_slot)
+    assert dkv_cfg.head_split == static.dkv_cfg.head_split
     assert dkv_cfg.co_issue_dkv == static.dkv_cfg.co_issue_dkv
 
 

@@ -39,6 +39,9 @@ FUSED = _K(64, 64, stages=1, head_split=True, fused_dq=True)
 IN_STEP = _K(64, 64, head_split=True, tile_descriptors_in_step=True)
 FUSED_IN_STEP = _K(64, 64, stages=1, head_split=True, fused_dq=True, compute_registers=240,
                    tile_descriptors_in_step=True)
+# ... with q in two stages beside one dO slot and one float32 dQ tile a warpgroup.
+TWO_Q_STAGES = _K(64, 64, head_split=True, fused_dq=True, one_do_slot=True,
+                  compute_registers=240, tile_descriptors_in_step=True)
 
 
 def _both(cfg):
@@ -69,15 +72,16 @@ _INTERPRETED = [
     (DP_AHEAD, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     (DP_AHEAD, cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
     (SWIZZLED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
-    # dQ fused in: several query blocks per key tile both sides of the diagonal, a group of 4
-    # query heads adding into one dQ each, key lengths and rows with no key.
-    (FUSED, _CAUSAL_203.replace(head_dim=256)),
-    (FUSED, cases.get_case("mqa_113x203").replace(head_dim=256)),
-    (FUSED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
-    (FUSED, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
-    # The same products with the tiles indexed through the optimization barrier.
+    # dQ fused in (the table's head_dim 256 layout, TWO_Q_STAGES): several query blocks per key
+    # tile both sides of the diagonal, a group of 4 query heads adding into one dQ each, key
+    # lengths and rows with no key; and with one stage.
+    (TWO_Q_STAGES, _CAUSAL_203.replace(head_dim=256)),
+    (TWO_Q_STAGES, cases.get_case("mqa_113x203").replace(head_dim=256)),
+    (TWO_Q_STAGES, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    (TWO_Q_STAGES, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
+    (FUSED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
+    # The separate kernels with the tiles indexed through the optimization barrier.
     (IN_STEP, _CAUSAL_203.replace(head_dim=256)),
-    (FUSED_IN_STEP, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
 ]
 
 
@@ -87,7 +91,7 @@ _INTERPRETED = [
                      f"{'-swizzled' if cfg.swizzle_f32 else ''}"
                      f"{'-fused' if cfg.fused_dq else ''}"
                      f"{'-in_step' if cfg.tile_descriptors_in_step else ''}"
-                     f"-{c.name}-d{c.head_dim}"))
+                     f"{'-one_do_slot' if cfg.one_do_slot else ''}-{c.name}-d{c.head_dim}"))
     for cfg, c in _INTERPRETED])
 def test_interpreted_head_split_matches_reference(cfg, case, seed):
   with kernel_table(case.head_dim, _both(cfg)):
@@ -106,8 +110,8 @@ def test_interpreted_head_split_dq_reversed_beside_plain_dkv(seed):
 @pytest.mark.parametrize("name,head_dim,cfg", [("all_gqa_lengths_113x203", 256, HEAD_SPLIT),
                                                ("segments_causal_150x150", 128, HEAD_SPLIT),
                                                ("segments_causal_150x150", 128, DP_AHEAD),
-                                               ("all_gqa_lengths_113x203", 256, FUSED),
-                                               ("segments_causal_150x150", 256, FUSED)])
+                                               ("all_gqa_lengths_113x203", 256, TWO_Q_STAGES),
+                                               ("segments_causal_150x150", 256, TWO_Q_STAGES)])
 def test_interpreted_head_split_with_modifiers(name, head_dim, cfg, seed):
   """Soft-cap (dS times its derivative), ALiBi per query head of the group, segment ids (the
   block table with one list per key tile), lengths."""
@@ -155,6 +159,10 @@ def test_head_split_config_is_checked():
   for fused_option in ("dq_column_halves", "co_issue_dq", "dq_step_late"):
     with pytest.raises(ValueError, match="head_split is a layout of its own"):
       _K(64, 64, head_split=True, fused_dq=True, **{fused_option: True})
+  with pytest.raises(ValueError, match="one_do_slot"):
+    _K(64, 64, stages=1, head_split=True, fused_dq=True, one_do_slot=True)
+  with pytest.raises(ValueError, match="one_do_slot"):
+    _K(64, 64, head_split=True, one_do_slot=True)
   with pytest.raises(ValueError, match="takes no dp_ahead"):
     _K(64, 64, head_split=True, fused_dq=True, dp_ahead=True)
   assert FUSED.fused_dq and FUSED.head_split
@@ -177,11 +185,12 @@ def test_head_split_config_is_checked():
 @pytest.mark.parametrize("head_dim,cfg", [(256, HEAD_SPLIT), (128, HEAD_SPLIT),
                                           (256, HEAD_SPLIT_1STAGE), (256, DP_AHEAD),
                                           (256, FUSED), (128, FUSED), (256, IN_STEP),
-                                          (256, FUSED_IN_STEP)])
+                                          (256, FUSED_IN_STEP), (256, TWO_Q_STAGES)])
 def test_head_split_lowers_for_cuda(head_dim, cfg):
   """The real lowering (the interpreter runs neither register operands nor the TMA rules), and
   the shared-memory check: two stages fit at head_dim 256 (dK/dV 226 KiB, dQ 218 KiB), and
-  one beside the fused dQ's float32 halves (226 KiB)."""
+  one beside the fused dQ's float32 halves (226 KiB), or two q stages beside one dO slot and
+  one float32 dQ tile a warpgroup (225 KiB)."""
   q = jax.ShapeDtypeStruct((1, 300, 2, head_dim), jnp.bfloat16)
 
   def loss(q, k, v):
@@ -220,7 +229,8 @@ def test_fused_head_split_needs_its_stage():
                                  pytest.param(SWIZZLED, id="swizzled"),
                                  pytest.param(FUSED, id="fused"),
                                  pytest.param(IN_STEP, id="in_step"),
-                                 pytest.param(FUSED_IN_STEP, id="fused_in_step")])
+                                 pytest.param(FUSED_IN_STEP, id="fused_in_step"),
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
 @pytest.mark.parametrize("case", [
     pytest.param(c.replace(dtype=cases.BF16, head_dim=d), id=f"{c.name}-d{d}")
     for d in (256, 128)
@@ -236,7 +246,8 @@ def test_gpu_head_split_matches_reference(case, cfg, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
                                  pytest.param(FUSED, id="fused"),
-                                 pytest.param(FUSED_IN_STEP, id="fused_in_step")])
+                                 pytest.param(FUSED_IN_STEP, id="fused_in_step"),
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
 @pytest.mark.parametrize("name", list(mods_tests._CASES))
 def test_gpu_head_split_with_modifiers(name, cfg, seed):
   with kernel_table(256, _both(cfg)):
@@ -246,7 +257,8 @@ def test_gpu_head_split_with_modifiers(name, cfg, seed):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
-                                 pytest.param(FUSED, id="fused")])
+                                 pytest.param(FUSED, id="fused"),
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
 def test_gpu_head_split_with_dropout(cfg, seed):
   with kernel_table(256, _both(cfg)):
     _poison_allocator(64 << 20)

@@ -485,28 +485,48 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, 
 
 
 def produce_query_rows(wg, refs, smems, fulls, slot_free, *, batch, kv_head, groups: int,
-                       per_head, block_of, block_q: int, stages: int, registers: int):
+                       per_head, block_of, block_q: int, stages: int, registers: int,
+                       do_free=None):
   """The producer warpgroup (wg == COMPUTE_WARPGROUPS) of the dK/dV kernels: for query head g
   of the kv head's group
   (g < groups) and its e-th visited query block block_of(e) (e < per_head), ring step
   g * per_head + e loads that block's q and dO rows and its lse and delta into the ring.
   `refs`, `smems`, `fulls`: (q, dO, lse, delta) in global memory ([B, T, Hq, D] and [B, Hq, T]),
   their rings, and their slot-filled barriers; `slot_free`: the consumers' releases;
-  `registers`: the producer's share (`KernelConfig.producer_registers`)."""
+  `registers`: the producer's share (`KernelConfig.producer_registers`). `do_free`
+  (`KernelConfig.one_do_slot`): dO has a ring of one slot of its own, refilled once the
+  consumers free it there (mid-step), after the step's q, lse and delta."""
 
-  def issue(i, slot):
+  def issue(i, slot, parts=(0, 1, 2, 3)):
     head = kv_head * groups + lax.div(i, per_head)
     q_start = block_of(lax.rem(i, per_head)) * block_q
     rows = (batch, pl.ds(q_start, block_q), head)
     stats = (batch, head, pl.ds(q_start, block_q))
-    for ref, smem, full, index in zip(refs, smems, fulls, (rows, rows, stats, stats)):
-      plgpu.copy_gmem_to_smem(ref.at[index], smem.at[slot], full.at[slot])
+    for part in parts:
+      index = (rows, rows, stats, stats)[part]
+      plgpu.copy_gmem_to_smem(refs[part].at[index], smems[part].at[slot], fulls[part].at[slot])
+
+  wait_free = lambda slot: plgpu.barrier_wait(slot_free.at[slot])
 
   @pl.when(wg == config_lib.COMPUTE_WARPGROUPS)
   def _():
     plgpu.set_max_registers(registers, action="decrease")
-    produce_ring(groups * per_head, stages, issue,
-                 lambda slot: plgpu.barrier_wait(slot_free.at[slot]))
+    if do_free is None:
+      produce_ring(groups * per_head, stages, issue, wait_free)
+      return
+    wait_do_free = lambda slot: plgpu.barrier_wait(do_free.at[slot])
+
+    def step(i, carry):
+      slot = lax.rem(i, stages)
+      pl.when(i >= stages)(lambda: wait_free(slot))
+      issue(i, slot, (0, 2, 3))
+      pl.when(i >= 1)(lambda: wait_do_free(0))
+      issue(i, 0, (1,))
+      return carry
+
+    lax.fori_loop(0, groups * per_head, step, None)
+    drain_ring(groups * per_head, stages, wait_free)
+    pl.when(groups * per_head > 0)(lambda: wait_do_free(0))  # (the one slot's last release)
 
 
 def release_kv(slot, k_full, v_full, k_free, v_free):

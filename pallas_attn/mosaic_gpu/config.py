@@ -151,6 +151,13 @@ class KernelConfig:
   # next ring slot is read before this one is freed). H200, d256: 0.91-0.97x the plain head split
   # (benchmarks/NOTES.md session 9); off.
   dp_ahead: bool = False
+  # head_split with fused_dq: dO in a ring of its own of one slot, which both warpgroups free
+  # once their dV wgmma read it (mid-step: the next block's dO loads under dS^T, dK and dQ), and
+  # the float32 dQ parts through one tile a warpgroup instead of two: the 64 KiB that pay for a
+  # second stage of the q ring (q is read first, by S^T, and last, by dK: one slot keeps the
+  # next block's load from starting before both warpgroups end the step). FA3's head_dim 256
+  # backward: q in two stages, dO in one. Needs stages >= 2.
+  one_do_slot: bool = False
   # Registers per thread of each compute warpgroup (setmaxnreg); the producer warpgroup keeps
   # what they leave of the launch's (`launch_registers`): of 3 * 168, 40 at 232 (tokamax's and
   # JAX's examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups); of 4 *
@@ -316,6 +323,10 @@ class KernelConfig:
       raise ValueError("head_split is a layout of its own: it takes no split_dkv, "
                        "dq_column_halves, co_issue_dq or dq_step_late (its fused dQ is made in "
                        "column halves, issued behind dK's wgmma, already)")
+    if self.one_do_slot and not (self.head_split and self.fused_dq and self.stages >= 2):
+      raise ValueError(f"one_do_slot is an option of head_split with fused_dq and stages >= 2 "
+                       f"(a second q stage beside one dO slot), got head_split={self.head_split}, "
+                       f"fused_dq={self.fused_dq}, stages={self.stages}")
     if self.head_split and self.fused_dq and self.dp_ahead:
       raise ValueError("head_split with fused_dq takes no dp_ahead (warpgroup 1's dQ part needs "
                        "the query block and head that its dp_ahead loop does not walk)")
@@ -396,7 +407,7 @@ def _mean_and_skew(tile_blocks) -> tuple[float | None, bool]:
 # separate dQ kernel runs (and the tuner's variants that start from the unfused kernel).
 UNFUSED_DQ = types.MappingProxyType(dict(
     fused_dq=False, co_issue_dq=False, dq_column_halves=False, dq_step_late=False,
-    separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0))
+    one_do_slot=False, separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0))
 
 
 def backward_configs(dq_cfg: KernelConfig, dkv_cfg: KernelConfig,
@@ -491,8 +502,15 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
                                separate_dq_max_blocks=8, separate_dq_max_blocks_skewed=8),
     # head_dim 256: dK and dV split by columns between the warpgroups of one key tile (H200,
     # fwd+bwd 1.33-1.41x split_dkv's two launches at N 4096 / 16384, causal and not, in one tuner
-    # run; benchmarks/NOTES.md session 8).
-    (256, "dkv"): KernelConfig(block_q=64, block_kv=64, head_split=True),
+    # run; benchmarks/NOTES.md session 8), with dQ fused in (FA3's head_dim 256 backward: no dQ
+    # kernel), q in two stages beside one dO slot, the tiles' descriptors built in the step, 240
+    # registers (H200, fwd+bwd 1.08-1.14x the separate head-split kernels at N 4096 / 16384,
+    # causal and not; session 21). Where the key tiles visit at most 8 query blocks on average
+    # (N 512) the separate kernels, as at head_dim 128 (`backward_configs`).
+    (256, "dkv"): KernelConfig(block_q=64, block_kv=64, head_split=True, fused_dq=True,
+                               one_do_slot=True, compute_registers=240,
+                               tile_descriptors_in_step=True, separate_dq_max_blocks=8,
+                               separate_dq_max_blocks_skewed=8),
 }
 
 

@@ -17,7 +17,10 @@ rows and split the work of each query block by kind:
   of the query block's dQ, dS K[:, half] (dS^T's tile read transposed, K's columns of this
   half, which no other warpgroup rewrites), reduce-added in float32 into a zeroed dQ
   (`bwd.dqkv`): five matmuls per tile pair in all, the dQ kernel's three (S, dP, dQ) saved but
-  one.
+  one. With `one_do_slot` (the table's from N 1024) q in two stages beside one dO slot, which
+  both warpgroups free after their dV wgmma, so the next block's rows load under the step
+  (one stage of both, all that fits beside two float32 dQ tiles a warpgroup, ran 0.71-0.83x the
+  separate kernels; this 1.08-1.14x: benchmarks/NOTES.md session 21).
 
 Four matmuls per tile pair, two per warpgroup, once (the two launches of `split_dkv` make five,
 S^T twice), with [64, 128] float32 accumulators: 64 + 64 registers, as at head_dim 128.
@@ -85,11 +88,21 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                                         tile=lax.axis_index("kv_tiles"))
     per_head, block_of = cta_list.count, cta_list.block
 
+  # cfg.one_do_slot: dO's one slot and its own release (mid-step), behind the dQ tiles.
+  do_free = dq_smem[1] if cfg.one_do_slot else None
+  # (A traced 0: a constant index into the barriers inside the walk fails to lower, jax 0.11.2.)
+  do_slot = lambda slot: lax.rem(slot, 1) if cfg.one_do_slot else slot
+
+  def release_do(slot):
+    """This warpgroup's last read of the step's dO is done (its dV wgmma's)."""
+    if cfg.one_do_slot:
+      plgpu.barrier_arrive(do_free.at[do_slot(slot)])
+
   common.produce_query_rows(
       wg, (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
       (q_full, do_full, lse_full, delta_full), slot_free, batch=batch, kv_head=kv_head,
       groups=groups, per_head=per_head, block_of=block_of, block_q=block_q, stages=stages,
-      registers=cfg.producer_registers)
+      registers=cfg.producer_registers, do_free=do_free)
 
   rows = (batch, pl.ds(kv_start, block_kv), kv_head)
   acc_shape = (block_kv, head_dim // 2)
@@ -98,7 +111,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   same = lambda: common.same_tile_index(0, cfg.tile_descriptors_in_step)
   stage = staging[0].at[wg] if staging else None  # (the interpreter's register operands)
   if dq_acc_ref is not None:  # cfg.fused_dq
-    (dq_out_smem,) = dq_smem
+    dq_out_smem = dq_smem[0]
     # Interpreted, each key tile writes its own partial dQ (see `bwd.dqkv`).
     dq_dest = dq_acc_ref.at[lax.axis_index("kv_tiles")] if dq_partials else dq_acc_ref
 
@@ -131,13 +144,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
   def reduce_dq(part, qi, g, parts, i):
     """dQ[qi block, query head g of the group, parts[i]] += part, through this warpgroup's
-    shared-memory tile i (a reduce-add still reading is from the other tile, if any)."""
+    shared-memory tile i (a reduce-add still reading is from the other tile, if any), or its
+    one tile (cfg.one_do_slot: once the last reduce-add from it has read it)."""
     dest = dq_dest.at[batch, pl.ds(qi * block_q, block_q), kv_head * groups + g, parts[i]]
-    common.reduce_add(part, dq_out_smem.at[wg, i], dest, dq_partials, pending=len(parts) - 1)
+    tiles = dq_out_smem.shape[1]
+    common.reduce_add(part, dq_out_smem.at[wg, i % tiles], dest, dq_partials,
+                      pending=tiles - 1)
 
   def wait_filled(slot):
     plgpu.barrier_wait(q_full.at[slot])
-    plgpu.barrier_wait(do_full.at[slot])
+    plgpu.barrier_wait(do_full.at[do_slot(slot)])
     plgpu.barrier_wait(lse_full.at[slot])
     plgpu.barrier_wait(delta_full.at[slot])
 
@@ -148,6 +164,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     zeros = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), common.WGMMA)
 
     def release(slot):
+      # (With one_do_slot a skipped table entry would leave dO's slot unfreed: the head split's
+      # tables make every entry a step, `_walk_blocks`.)
       plgpu.barrier_arrive(slot_free.at[slot])
 
     return _walk_blocks(step, (zeros, zeros), groups=groups, per_head=per_head, stages=stages,
@@ -191,7 +209,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.commit_smem()  # for warpgroup 1's dV wgmma
       plgpu.barrier_arrive(pt_full)
       # dV before dP^T is read: P^T's low-precision copy is dead before dP^T's registers are live.
-      dv = common.matmul_acc(dv, pt_dropped, do_smem.at[slot, :, half], stage)
+      dv = common.matmul_acc(dv, pt_dropped, do_smem.at[do_slot(slot), :, half], stage)
+      release_do(slot)
       plgpu.barrier_wait(dpt_full)
       dpt = plgpu.load(dpt_smem, (), layout=common.WGMMA)
       plgpu.barrier_arrive(dpt_free)
@@ -222,13 +241,16 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       del masked  # (warpgroup 0 applies the mask and the modifiers)
       dk, dv = acc
       wait_filled(slot)
-      dpt = common.matmul(v_smem.at[same()], do_smem.at[slot].T, (block_kv, block_q))  # dP^T
+      dpt = common.matmul(v_smem.at[same()], do_smem.at[do_slot(slot)].T,
+                          (block_kv, block_q))  # dP^T
 
       _wait_unless_first(count, dpt_free)  # warpgroup 0 has read the last dP^T
       dpt_smem[...] = dpt
       plgpu.barrier_arrive(dpt_full)
       plgpu.barrier_wait(pt_full)  # dV's wgmma runs while warpgroup 0 makes dS^T
-      dv = common.matmul_acc_smem(dv, pt_smem, do_smem.at[slot, :, half], stage is not None)
+      dv = common.matmul_acc_smem(dv, pt_smem, do_smem.at[do_slot(slot), :, half],
+                                  stage is not None)
+      release_do(slot)
       plgpu.barrier_wait(ds_full)
       dk, reduce_last_dq = dk_and_dq(dk, dst_smem, slot, qi, g, half, dst_in_smem=True)
       plgpu.barrier_arrive(ds_free)
@@ -399,16 +421,18 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
   """The dK/dV kernel's shared memory and barriers (the order `_dkv_kernel` takes them in).
   head_dim 256, blocks of 64, 2 stages: K, V 64 KiB; q, dO ring 128 KiB; P^T, dS^T 16 KiB; dP^T
   16 KiB; lse and delta 2 KiB: 226 KiB. With fused_dq the two float32 dQ halves, 64 KiB at
-  head_dim 256: one stage, 226 KiB."""
+  head_dim 256: one stage, 226 KiB; or with one_do_slot two q stages, one dO slot and one 16
+  KiB float32 tile a warpgroup: 225 KiB."""
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
   meeting = plgpu.Barrier  # one warpgroup arrives, the other waits
   parts = _dq_parts(_half(0, head_dim))  # (fused_dq)
+  do_stages = 1 if cfg.one_do_slot else cfg.stages
   return [
       tile(1, cfg.block_kv, head_dim),  # k, then dk out (a leading 1: `same` in _dkv_kernel)
       tile(1, cfg.block_kv, head_dim),  # v, then dv out
       tile(cfg.stages, cfg.block_q, head_dim),  # q ring
-      tile(cfg.stages, cfg.block_q, head_dim),  # dO ring
+      tile(do_stages, cfg.block_q, head_dim),  # dO ring
       plgpu.SMEM((cfg.stages, cfg.block_q), jnp.float32),  # lse ring
       plgpu.SMEM((cfg.stages, cfg.block_q), jnp.float32),  # delta ring
       tile(cfg.block_kv, cfg.block_q),  # P^T (dropped), warpgroup 0 -> 1
@@ -416,14 +440,17 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
       common.f32_tile((cfg.block_kv, cfg.block_q), cfg.swizzle_f32),  # dP^T, warpgroup 1 -> 0
       common.staging_scratch(interpret, (_WGS, cfg.block_kv, cfg.block_q), dtype),
       plgpu.Barrier(num_barriers=2),  # k, v loaded
-      ring(), ring(), ring(), ring(),  # q, dO, lse, delta slot filled
+      ring(), plgpu.Barrier(num_barriers=do_stages), ring(), ring(),  # q, dO, lse, delta filled
       plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages),  # slot free
       meeting(), meeting(),  # dP^T written, read
       meeting(), meeting(), meeting(),  # P^T written, dS^T written, both read
       plgpu.Barrier(num_arrivals=_WGS),  # both halves of dK and dV written
-      # fused_dq: each warpgroup's parts of the dQ part, out by reduce-add
-      *([common.f32_tile((_WGS, len(parts), cfg.block_q, parts[0].size), cfg.swizzle_f32)]
-        if cfg.fused_dq else []),
+      # fused_dq: each warpgroup's parts of the dQ part, out by reduce-add (one_do_slot: all
+      # through one tile)
+      *([common.f32_tile((_WGS, 1 if cfg.one_do_slot else len(parts), cfg.block_q,
+                          parts[0].size), cfg.swizzle_f32)] if cfg.fused_dq else []),
+      # one_do_slot: dO's slot free (both warpgroups' dV wgmmas done)
+      *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=1)] if cfg.one_do_slot else []),
   ]
 
 
