@@ -165,6 +165,10 @@ PRESETS = {
     "tune_d256": lambda: fa_sweep(seqs=(4096, 16384), head_dims=(256,)),
     # The other head_dim 256 lengths of the FlashAttention sweep.
     "d256_rest": lambda: fa_sweep(seqs=(512, 1024, 2048, 8192), head_dims=(256,)),
+    # head_dim 128 at lengths that 128, 192 and 384 divide (b4 s4224, b1 s16896, the anchors' 16896
+    # tokens; causal and not): forward key blocks of 192 time without padding K and V.
+    "d128_kv192": lambda: [Shape(b, s, s, 16, 16, 128, c, "fa") for c in (False, True)
+                           for b, s in ((4, 4224), (1, 16896))],
     # One d128 causal shape (benchmarks/tune.py --ptxas: registers hardly depend on the shape).
     "tune_d128": lambda: fa_sweep(seqs=(4096,), head_dims=(128,), causal=(True,)),
     # head_dim 64 at the anchors' lengths (N = 4096 / 16384, causal and not).

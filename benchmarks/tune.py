@@ -74,7 +74,7 @@ def _from_unfused(**changes) -> dict:
   """dK/dV changes from the unfused kernel at 232 registers with its descriptors hoisted (head_dim
   128's table before session 15), whatever the table fuses now: the dQ-in-dK/dV layouts are
   named in full."""
-  return {**config_lib.UNFUSED_DQ, "tile_descriptors_in_step": False,
+  return {**config_lib.UNFUSED_DQ,
           "compute_registers": config_lib.KernelConfig.compute_registers, **changes}
 
 
@@ -323,6 +323,13 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "head_split_fused_dq_two_q_stages": {"dkv": _from_unfused(
         head_split=True, split_dkv=False, fused_dq=True, stages=2, one_do_slot=True,
         compute_registers=240, tile_descriptors_in_step=True)},
+    # Session 22. The forward's q tile (QK^T's A operand: 8 descriptors at head_dim 128) indexed
+    # in the step, and with it block_kv 192 (FA3's head_dim 128 forward takes 176 keys, which
+    # Mosaic GPU's P V cannot: its contraction must be whole 64-element groups), which spilled
+    # 324-668 B at 240 registers with them hoisted (session 10).
+    "fwd_descriptors_in_step": {"fwd": dict(tile_descriptors_in_step=True)},
+    "fwd_kv192_descriptors_in_step_regs240": {"fwd": dict(
+        block_kv=192, tile_descriptors_in_step=True, **_TWO_WGS_REGS240)},
 }
 
 _DEFAULT = "default"

@@ -207,8 +207,10 @@ def round_up(x: int, multiple: int) -> int:
   return (x + multiple - 1) // multiple * multiple
 
 
-def pad_to_tiles(query, key, value, q_lengths, kv_lengths, q_multiple: int, kv_multiple: int):
-  """Pad the sequence axes of [batch, seq, heads, head_dim] inputs to whole tiles.
+def pad_to_tiles(query, key, value, q_lengths, kv_lengths, q_multiple: int, kv_multiple: int,
+                 min_kv_len: int = 0):
+  """Pad the sequence axes of [batch, seq, heads, head_dim] inputs to whole tiles (the keys to at
+  least `min_kv_len`).
 
   Returns the padded query, key and value and int32 [batch] lengths, defaulted to and clamped at
   the real lengths, so that the length test of `visible` hides the padded rows and keys.
@@ -218,8 +220,9 @@ def pad_to_tiles(query, key, value, q_lengths, kv_lengths, q_multiple: int, kv_m
   q_lengths = jnp.full((batch,), q_len, jnp.int32) if q_lengths is None else q_lengths
   kv_lengths = jnp.full((batch,), kv_len, jnp.int32) if kv_lengths is None else kv_lengths
 
-  pad = lambda x, multiple: _pad_axis(x, 1, multiple)
-  return (pad(query, q_multiple), pad(key, kv_multiple), pad(value, kv_multiple),
+  pad = lambda x, multiple, least=0: _pad_axis(x, 1, multiple, least=least)
+  return (pad(query, q_multiple), pad(key, kv_multiple, min_kv_len),
+          pad(value, kv_multiple, min_kv_len),
           jnp.clip(q_lengths, 0, q_len), jnp.clip(kv_lengths, 0, kv_len))
 
 
@@ -231,8 +234,8 @@ def pad_row_inputs(d_out, lse, delta, q_multiple: int):
           _pad_axis(delta, 2, q_multiple))
 
 
-def _pad_axis(x, axis: int, multiple: int, value=0):
-  extra = round_up(x.shape[axis], multiple) - x.shape[axis]
+def _pad_axis(x, axis: int, multiple: int, value=0, least: int = 0):
+  extra = max(round_up(x.shape[axis], multiple), least) - x.shape[axis]
   if extra == 0:
     return x
   widths = [(0, 0)] * x.ndim

@@ -205,10 +205,17 @@ _VARIANTS = {
     "persistent_pairs_ping_pong": {"fwd": _K(64, 64, persistent=True, pair_q_tiles=True)},
     # Three compute warpgroups (192-row CTAs; FlashAttention-3's head_dim 64 forward): a CTA's
     # last tile partly past the rows, with the overlap, and persistent with tile pairs.
+    # The forward's q tile indexed in the step (its QK^T descriptors built there): the
+    # overlapped walk at block_kv 192, and the plain one (three warpgroups, persistent pairs).
+    "fwd_kv192_descriptors_in_step": {"fwd": _K(64, 192, overlap_qk=True, ping_pong=False,
+                                                fold_scale=True, compute_registers=240,
+                                                tile_descriptors_in_step=True)},
     "three_warpgroups": {"fwd": _THREE_WGS},
     "three_warpgroups_overlap_qk": {"fwd": dataclasses.replace(_THREE_WGS, overlap_qk=True)},
     "three_warpgroups_persistent_pairs": {"fwd": dataclasses.replace(
         _THREE_WGS, persistent_max_blocks=4, persistent_max_blocks_skewed=4, pair_q_tiles=True)},
+    "three_warpgroups_persistent_descriptors_in_step": {"fwd": dataclasses.replace(
+        _THREE_WGS, persistent=True, pair_q_tiles=True, tile_descriptors_in_step=True)},
 }
 # Two query tiles of 128 rows and several key blocks at every block_kv, odd lengths.
 _CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_203x203")
@@ -306,6 +313,9 @@ _VARIANT_CASES = [
                                                                    q_lengths=[460, 201])),
     ("persistent_pairs", cases.get_case("mha_17x17").replace(q_len=113, kv_len=600,
                                                              name="mha_113x600")),
+    ("fwd_kv192_descriptors_in_step", _CAUSAL_203),
+    ("fwd_kv192_descriptors_in_step", _GQA_CAUSAL_LENGTHS_330),
+    ("three_warpgroups_persistent_descriptors_in_step", _GQA_CAUSAL_203),
     ("three_warpgroups", _CAUSAL_203),  # 256 rows: the second CTA's last two tiles are past
     ("three_warpgroups", cases.get_case("gqa_causal_lengths_113x203")),
     ("three_warpgroups", cases.get_case("lengths_kv0_113x203")),
@@ -442,6 +452,7 @@ _LOWERED_VARIANTS = [
     (128, {"fwd": _K(64, 192, persistent=True)}),  # the output through the q tile
     (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
                      persistent_max_blocks=1 << 20, pair_q_tiles=True)}),
+    (128, {"fwd": _VARIANTS["fwd_kv192_descriptors_in_step"]["fwd"]}),
     (64, {"fwd": _THREE_WGS}),
     (64, {"fwd": dataclasses.replace(_THREE_WGS, overlap_qk=True, persistent=True,
                                      pair_q_tiles=True)}),
@@ -586,6 +597,23 @@ def test_dq_in_flight_needs_two_slots():
   """A K slot is released at the next step's first wait, which waits for the next block."""
   with pytest.raises(ValueError, match="stages >= 2"):
     _K(64, 64, stages=1, dq_in_flight=True)
+
+
+@pytest.mark.parametrize("block_kv,kv_len,padded", [(192, 4096, 4096), (192, 100, 192),
+                                                     (256, 1000, 1024), (128, 1000, 1024)])
+def test_forward_key_blocks_reach_past_keys_unpadded(block_kv, kv_len, padded):
+  """K and V are padded to the backward's tiles (128 keys here) and to one forward block at
+  least, not to whole forward blocks: a last block of 192 past the 4096 keys is read as the TMA
+  copy's zeros (interpreted: tests/test_mosaic_gpu.py's kv192 variant cases), not copied."""
+  q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, kv_len, 2, 64), jnp.bfloat16)
+  forward = functools.partial(ops.forward, scale=0.1, spec=pallas_attn.MaskSpec(),
+                              fwd_cfg=_K(64, block_kv, overlap_qk=True, ping_pong=False))
+  jaxpr = jax.make_jaxpr(lambda q, k, v: forward(q, k, v, None, None))(q, k, k)
+  kernel_inputs = [eqn.invars for eqn in _all_eqns(jaxpr.jaxpr)
+                   if eqn.primitive.name == "mpmd_map"]  # (the plgpu.kernel launch)
+  assert len(kernel_inputs) == 1
+  assert [v.aval.shape[1] for v in kernel_inputs[0][1:3]] == [padded, padded]
 
 
 @pytest.mark.parametrize("head_dim,configs", _LOWERED_VARIANTS,
@@ -851,6 +879,10 @@ _GPU_VARIANTS = {
     "descriptors_in_step": _VARIANTS["descriptors_in_step"],
     "overlap_dkv_descriptors_in_step": _VARIANTS["overlap_dkv_descriptors_in_step"],
     "persistent": {"fwd": _K(64, 128, persistent=True)},
+    # The forward's q tile indexed in the step: the table's forward, and at block_kv 192.
+    "fwd_descriptors_in_step": {"fwd": dataclasses.replace(config_lib.DEFAULTS[(128, "fwd")],
+                                                           tile_descriptors_in_step=True)},
+    "fwd_kv192_descriptors_in_step": _VARIANTS["fwd_kv192_descriptors_in_step"],
     "exp2_fma_overlap_qk": _VARIANTS["exp2_fma_overlap_qk"],
     "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,
                                          grid_order=("heads", "batch", "tiles"),
@@ -895,6 +927,11 @@ _GPU_FORWARD_LAYOUTS = {
     "d64_three_warpgroups_overlap": (64, dataclasses.replace(_THREE_WGS, overlap_qk=True)),
     "d64_three_warpgroups_persistent": (64, dataclasses.replace(
         _THREE_WGS, overlap_qk=True, persistent=True, pair_q_tiles=True)),
+    # The q tile indexed in the step, in the table's d64 and d256 forwards.
+    "d64_descriptors_in_step": (64, dataclasses.replace(config_lib.DEFAULTS[(64, "fwd")],
+                                                        tile_descriptors_in_step=True)),
+    "d256_descriptors_in_step": (256, dataclasses.replace(config_lib.DEFAULTS[(256, "fwd")],
+                                                          tile_descriptors_in_step=True)),
 }
 
 

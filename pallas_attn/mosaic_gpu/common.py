@@ -381,7 +381,7 @@ def masked_loops(lo, full_lo, full_hi, hi, step, carry):
   return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
 
 
-def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free, start=None):
+def produce_ring(num_steps, stages, issue_copies, wait_slot_free, start=None):
   """The producer warpgroup's loop over a ring of `stages` shared-memory slots.
 
   Step i (0 <= i < num_steps) goes to slot i % stages; before reusing a slot the producer waits
@@ -391,20 +391,25 @@ def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free, start=Non
 
   `issue_copies` and `wait_slot_free` may be tuples of the same length: a slot of several parts
   (K and V) that the consumers release one by one, each part refilled as soon as its own release
-  came (part 0's wait and copy, then part 1's, ...).
+  came (part 0's wait and copy, then part 1's, ...). `stages` may then be a tuple too, each
+  part's own ring depth (`KernelConfig.one_do_slot`: q, lse and delta in `stages` slots, dO in
+  one): part p's step i goes to its slot i % stages[p].
 
   `start` (a persistent kernel, whose ring runs on across work items): the ring's running count
   before these steps. Step i then goes to slot (start + i) % stages, waiting for it when
   start + i >= stages; there is no drain (`drain_ring` once, after the last item), and the
   function returns start + num_steps.
   """
-  parts = _ring_parts(issue_copies, wait_slot_free)
+  parts = _ring_parts(issue_copies, wait_slot_free, stages)
 
   def step(i, carry):
     count = i if start is None else start + i  # (no add in the one-item kernels' jaxpr)
-    slot = lax.rem(count, stages)
-    for issue, wait in parts:
-      pl.when(count >= stages)(lambda: wait(slot))
+    slots = {}  # depth -> this step's slot
+    for issue, wait, depth in parts:
+      if depth not in slots:
+        slots[depth] = lax.rem(count, depth)
+      slot = slots[depth]
+      pl.when(count >= depth)(lambda: wait(slot))
       issue(i, slot)
     return carry
 
@@ -414,26 +419,34 @@ def produce_ring(num_steps, stages: int, issue_copies, wait_slot_free, start=Non
   drain_ring(num_steps, stages, wait_slot_free)
 
 
-def _ring_parts(issue_copies, wait_slot_free):
-  """[(issue, wait)] of each part of a ring slot (`produce_ring`)."""
+def _ring_parts(issue_copies, wait_slot_free, stages):
+  """[(issue, wait, stages)] of each part of a ring slot (`produce_ring`)."""
   if not isinstance(issue_copies, tuple):
-    return [(issue_copies, wait_slot_free)]
+    return [(issue_copies, wait_slot_free, stages)]
   if not isinstance(wait_slot_free, tuple) or len(wait_slot_free) != len(issue_copies):
     raise ValueError("a ring of several parts needs one wait per copy")
-  return list(zip(issue_copies, wait_slot_free))
+  depths = stages if isinstance(stages, tuple) else (stages,) * len(issue_copies)
+  if len(depths) != len(issue_copies):
+    raise ValueError("a ring of parts of their own depths needs one depth per part")
+  return list(zip(issue_copies, wait_slot_free, depths))
 
 
-def drain_ring(num_steps, stages: int, wait_slot_free):
+def drain_ring(num_steps, stages, wait_slot_free):
   """Wait for the consumers' releases of the last `stages` of `num_steps` ring steps (of every
-  part of a slot when `wait_slot_free` is a tuple, as in `produce_ring`)."""
+  part of a slot when `wait_slot_free` is a tuple, as in `produce_ring`; parts of their own
+  depths, `stages` a tuple, each drained in turn)."""
   waits = wait_slot_free if isinstance(wait_slot_free, tuple) else (wait_slot_free,)
+  depths = stages if isinstance(stages, tuple) else (stages,) * len(waits)
+  # Parts of one depth drain in one loop, in part order.
+  for depth in dict.fromkeys(depths):
 
-  def drain(i, carry):
-    for wait in waits:
-      wait(lax.rem(i, stages))
-    return carry
+    def drain(i, carry, depth=depth):
+      for wait, part_depth in zip(waits, depths):
+        if part_depth == depth:
+          wait(lax.rem(i, depth))
+      return carry
 
-  lax.fori_loop(jnp.maximum(num_steps - stages, 0), num_steps, drain, None)
+    lax.fori_loop(jnp.maximum(num_steps - depth, 0), num_steps, drain, None)
 
 
 def kv_copies(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, batch, kv_head,
@@ -513,20 +526,12 @@ def produce_query_rows(wg, refs, smems, fulls, slot_free, *, batch, kv_head, gro
     plgpu.set_max_registers(registers, action="decrease")
     if do_free is None:
       produce_ring(groups * per_head, stages, issue, wait_free)
-      return
-    wait_do_free = lambda slot: plgpu.barrier_wait(do_free.at[slot])
-
-    def step(i, carry):
-      slot = lax.rem(i, stages)
-      pl.when(i >= stages)(lambda: wait_free(slot))
-      issue(i, slot, (0, 2, 3))
-      pl.when(i >= 1)(lambda: wait_do_free(0))
-      issue(i, 0, (1,))
-      return carry
-
-    lax.fori_loop(0, groups * per_head, step, None)
-    drain_ring(groups * per_head, stages, wait_free)
-    pl.when(groups * per_head > 0)(lambda: wait_do_free(0))  # (the one slot's last release)
+    else:  # q, lse and delta in `stages` slots, then dO in its one
+      issue_rows = functools.partial(issue, parts=(0, 2, 3))
+      issue_do = functools.partial(issue, parts=(1,))
+      wait_do_free = lambda slot: plgpu.barrier_wait(do_free.at[slot])
+      produce_ring(groups * per_head, (stages, 1), (issue_rows, issue_do),
+                   (wait_free, wait_do_free))
 
 
 def release_kv(slot, k_full, v_full, k_free, v_free):

@@ -164,9 +164,10 @@ class KernelConfig:
   # 128 with three compute warpgroups, 32 at 160. H200: 240 lowers the spills of the kernels
   # that spill but is within the noise in speed (session 9).
   compute_registers: int = 232
-  # Backward: the tiles every step's wgmmas read the same (dK/dV: this warpgroup's K and V for
-  # S^T and dP^T, with fused_dq the K tiles dQ reads; the head-split dQ kernel's q and dO; the
-  # plain dQ kernel ignores it) indexed through `common.per_step_index`, so that their wgmma
+  # The tiles every step's wgmmas read the same (the forward's q tile, QK^T's A operand; dK/dV:
+  # this warpgroup's K and V for S^T and dP^T, with fused_dq the K tiles dQ reads; the
+  # head-split dQ kernel's q and dO; the plain dQ kernel ignores it) indexed through
+  # `common.per_step_index`, so that their wgmma
   # descriptors are built in the step instead of hoisted out of the walk. Hoisted, the d128
   # fused dK/dV/dQ kernel holds 24 of them (64-bit each) across the walk and ptxas spills them,
   # reloading before each S^T group (228 B stored, 360 B loaded a thread; the same PTX with them
@@ -404,10 +405,13 @@ def _mean_and_skew(tile_blocks) -> tuple[float | None, bool]:
 
 
 # The dK/dV fields that make dQ in its kernel, off: what `backward_configs` changes where the
-# separate dQ kernel runs (and the tuner's variants that start from the unfused kernel).
+# separate dQ kernel runs (and the tuner's variants that start from the unfused kernel). The
+# separate dK/dV kernel keeps its descriptors hoisted: H200, 0.94-1.00x with them in the step at
+# head_dim 128 though it stops spilling, 0.97-0.99x at 256 (benchmarks/NOTES.md sessions 20, 21).
 UNFUSED_DQ = types.MappingProxyType(dict(
     fused_dq=False, co_issue_dq=False, dq_column_halves=False, dq_step_late=False,
-    one_do_slot=False, separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0))
+    one_do_slot=False, tile_descriptors_in_step=False, separate_dq_max_blocks=0,
+    separate_dq_max_blocks_skewed=0))
 
 
 def backward_configs(dq_cfg: KernelConfig, dkv_cfg: KernelConfig,
@@ -418,12 +422,10 @@ def backward_configs(dq_cfg: KernelConfig, dkv_cfg: KernelConfig,
   its dP co-issue and register split (the two kernels then share one block table)."""
   if not dkv_cfg.fused_dq or dkv_cfg.fuses_dq(key_tile_blocks):
     return dq_cfg, dkv_cfg
-  # (The separate dK/dV kernel keeps its descriptors hoisted: H200, d128, 0.94-1.00x with them
-  # in the step, though it stops spilling; benchmarks/NOTES.md session 20.)
   return dq_cfg, dataclasses.replace(
       dkv_cfg, **UNFUSED_DQ, block_q=dq_cfg.block_q, block_kv=dq_cfg.block_kv,
       stages=dq_cfg.stages, co_issue_dp=dq_cfg.co_issue_dp,
-      compute_registers=dq_cfg.compute_registers, tile_descriptors_in_step=False)
+      compute_registers=dq_cfg.compute_registers)
 
 
 # SMs of an H100 / H200 SXM: the CTAs of a persistent forward (`KernelConfig.persistent`) when no

@@ -208,6 +208,9 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     q_start = work.cta_start + wg * block_q
     q_smem = qo_smem.at[wg]
     out_smem = o_smem[0].at[wg] if o_smem else q_smem
+    # The q tile QK^T reads at every step; with cfg.tile_descriptors_in_step its wgmma
+    # descriptors are built there (`common.same_tile_index`) instead of held across the walk.
+    q_tile = lambda: qo_smem.at[common.same_tile_index(wg, cfg.tile_descriptors_in_step)]
     if not persistent:
       q_copy(wg, batch, head, q_start)
     # The next item's q, as soon as this one's is free (after the last QK^T of a range walk).
@@ -259,7 +262,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       cols = scores.columns(j, block_kv, masked=masked)
       plgpu.barrier_wait(k_full.at[slot])
       # The first meeting lets the other warpgroup's softmax start once this QK^T is issued.
-      s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv),  # [block_q, block_kv]
+      s = common.matmul(q_tile(), k_smem.at[slot].T, (block_q, block_kv),  # [block_q, block_kv]
                         while_running=meet)
       s, c = after_qk(j, slot, s, cols, masked)
       return s, cols, c
@@ -357,7 +360,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       cols = scores.columns(lo, block_kv, masked=True)  # (masking a tile that needs none is exact)
       plgpu.barrier_wait(k_full.at[slot])
       my_turn()
-      s = common.matmul(q_smem, k_smem.at[slot].T, (block_q, block_kv), while_running=your_turn)
+      s = common.matmul(q_tile(), k_smem.at[slot].T, (block_q, block_kv), while_running=your_turn)
       p, m_new, l_i, alpha = softmax_after_qk(lo, slot, cols, True, m_i, l_i)(s)
       return acc, m_new, l_i, p.astype(dtype), alpha
 
@@ -370,7 +373,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       my_turn()
       p_init = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), common.WGMMA)
       acc, (p, m_new, l_i, alpha) = common.matmul_then_rescaled_acc(
-          (q_smem, k_smem.at[slot].T, (block_q, block_kv)), acc, alpha_prev, p_prev,
+          (q_tile(), k_smem.at[slot].T, (block_q, block_kv)), acc, alpha_prev, p_prev,
           v_smem.at[prev], after_issue=your_turn,
           between=softmax_after_qk(j, slot, cols, masked, m_i, l_i),
           between_init=(p_init, m_i, l_i, alpha_prev), staging=staging)
@@ -556,16 +559,23 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
             cfg: config_lib.KernelConfig, interpret: bool,
             mods: mods_lib.KernelMods = mods_lib.KernelMods(),
             mod_arrays: mods_lib.ModArrays = mods_lib.ModArrays(),
-            table: block_table.BlockTable | None = None):
-  """q [B, T, Hq, D] with T a multiple of block_q; k, v [B, S, Hkv, D] with S a multiple of
-  block_kv; lengths int32 [B] (clamped to the unpadded lengths); `mod_arrays` as `mods` says
-  (segment ids padded like q and k). `table`: the key blocks each CTA visits
+            table: block_table.BlockTable | None = None, kv_len: int | None = None):
+  """q [B, T, Hq, D] with T a multiple of block_q; k, v [B, S, Hkv, D], S at least block_kv;
+  `kv_len`: the keys' padded length, a multiple of block_kv from S (None: S), which the masks,
+  the table and `mod_arrays` are padded to. A last key block that reaches past S is read as
+  zeros there (TMA copies fill what lies past an array), keys that the lengths must hide.
+  Lengths int32 [B] (clamped to the unpadded lengths); `mod_arrays` as `mods` says (segment ids
+  padded like q and to kv_len). `table`: the key blocks each CTA visits
   (`block_table.query_major` at (cfg.block_q, cfg.block_kv)); None: the positional ranges.
 
   Returns out [B, T, Hq, D] (q.dtype) and lse [B, Hq, T] float32 (+inf on empty rows).
   """
   batch, q_len, heads_q, head_dim = q.shape
-  kv_len, heads_kv = k.shape[1], k.shape[2]
+  heads_kv = k.shape[2]
+  kv_len = k.shape[1] if kv_len is None else kv_len
+  if kv_len % cfg.block_kv or not cfg.block_kv <= k.shape[1] <= kv_len:
+    raise ValueError(f"the forward's padded key length ({kv_len}) must be a multiple of block_kv "
+                     f"({cfg.block_kv}), and K's length ({k.shape[1]}) between block_kv and it")
   if table is not None and cfg.compute_warpgroups != config_lib.COMPUTE_WARPGROUPS:
     raise ValueError(f"a block table's entries are per CTA of {config_lib.COMPUTE_WARPGROUPS} "
                      f"query blocks; the forward was given compute_warpgroups="

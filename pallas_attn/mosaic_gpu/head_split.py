@@ -56,6 +56,13 @@ _WGS = config_lib.COMPUTE_WARPGROUPS
 _SCORES, _DP = 0, 1  # the two compute warpgroups' jobs
 
 
+def _one_tile(cfg: config_lib.KernelConfig):
+  """The index (0) of a scratch-of-one tile that every step's wgmmas read the same (dK/dV: K and
+  V; dQ: q and dO): with cfg.tile_descriptors_in_step through `common.same_tile_index`, so that
+  their descriptors are built in the step instead of held across the walk."""
+  return common.same_tile_index(0, cfg.tile_descriptors_in_step)
+
+
 # ---------------------------------------------------------------------------------------------
 # dK / dV
 
@@ -106,9 +113,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
   rows = (batch, pl.ds(kv_start, block_kv), kv_head)
   acc_shape = (block_kv, head_dim // 2)
-  # The K and V tiles (scratch of one) as every step's wgmmas read them: with
-  # cfg.tile_descriptors_in_step their descriptors are built in the step (`common.per_step_index`).
-  same = lambda: common.same_tile_index(0, cfg.tile_descriptors_in_step)
   stage = staging[0].at[wg] if staging else None  # (the interpreter's register operands)
   if dq_acc_ref is not None:  # cfg.fused_dq
     dq_out_smem = dq_smem[0]
@@ -129,7 +133,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         return common.matmul_acc_smem(*accumulating, stage is not None), lambda: None
       return common.matmul_acc(*accumulating, stage), lambda: None
     parts = _dq_parts(half)
-    dq_pairs = lambda cols: [(dst_smem.T, k_smem.at[same(), :, cols])]
+    dq_pairs = lambda cols: [(dst_smem.T, k_smem.at[_one_tile(cfg), :, cols])]
     dq_shape = (block_q, parts[0].size)
     if stage is not None and dst_in_smem:  # (interpreted: no staging of a smem operand)
       dk, part = (common.matmul_acc_smem(*accumulating, True),
@@ -197,7 +201,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       scores = key_scores.for_head(kv_head * groups + g) if mods.per_head else key_scores
       cols = scores.columns(qi, block_q, masked=masked)
       wait_filled(slot)
-      st = common.matmul(k_smem.at[same()], q_smem.at[slot].T, (block_kv, block_q))  # S^T
+      st = common.matmul(k_smem.at[_one_tile(cfg)], q_smem.at[slot].T,  # S^T
+                         (block_kv, block_q))
       st, chain = scores(st, cols, masked=masked)
       lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
       pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
@@ -241,7 +246,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       del masked  # (warpgroup 0 applies the mask and the modifiers)
       dk, dv = acc
       wait_filled(slot)
-      dpt = common.matmul(v_smem.at[same()], do_smem.at[do_slot(slot)].T,
+      dpt = common.matmul(v_smem.at[_one_tile(cfg)], do_smem.at[do_slot(slot)].T,
                           (block_kv, block_q))  # dP^T
 
       _wait_unless_first(count, dpt_free)  # warpgroup 0 has read the last dP^T
@@ -259,7 +264,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
     def dpt_of(slot):
       plgpu.barrier_wait(do_full.at[slot])
-      return common.matmul(v_smem.at[same()], do_smem.at[slot].T, (block_kv, block_q))
+      return common.matmul(v_smem.at[_one_tile(cfg)], do_smem.at[slot].T, (block_kv, block_q))
 
     def step_ahead(slot, count, dpt, next_dpt, acc):
       """Step `count` with its dP^T made the step before; the next step's dP^T is computed after
@@ -493,8 +498,6 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
 
   rows = (batch, pl.ds(q_start, block_q), head)
   stats = (batch, head, pl.ds(q_start, block_q))
-  # The q and dO tiles (scratch of one) as every step's wgmmas read them (see `_dkv_kernel`).
-  same = lambda: common.same_tile_index(0, cfg.tile_descriptors_in_step)
   stage = staging[0] if staging else None  # (the interpreter's register operand, warpgroup 0)
 
   def load_rows():
@@ -551,7 +554,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       (dq,) = acc
       cols = scores.columns(j, block_kv, masked=masked)
       wait_filled(slot)
-      s = common.matmul(q_smem.at[same()], k_smem.at[slot].T, (block_q, block_kv))
+      s = common.matmul(q_smem.at[_one_tile(cfg)], k_smem.at[slot].T, (block_q, block_kv))
       s, chain = scores(s, cols, masked=masked)
       p = jnp.exp2(s - common.broadcast_rows(lse2, s.shape))  # [block_q, block_kv]
       plgpu.barrier_wait(dp_full)
@@ -582,7 +585,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
       del j, g, masked  # (warpgroup 0 applies the mask and the modifiers)
       (dq,) = acc
       wait_filled(slot)
-      dp = common.matmul(do_smem.at[same()], v_smem.at[slot].T, (block_q, block_kv))
+      dp = common.matmul(do_smem.at[_one_tile(cfg)], v_smem.at[slot].T, (block_q, block_kv))
       _wait_unless_first(count, dp_free)  # warpgroup 0 has read the last dP
       dp_smem[...] = dp
       plgpu.barrier_arrive(dp_full)
@@ -593,7 +596,7 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, kv_len_ref, mod_
 
     def dp_of(slot):
       plgpu.barrier_wait(v_full.at[slot])
-      return common.matmul(do_smem.at[same()], v_smem.at[slot].T, (block_q, block_kv))
+      return common.matmul(do_smem.at[_one_tile(cfg)], v_smem.at[slot].T, (block_q, block_kv))
 
     def step_ahead(slot, count, dp, next_dp, acc):
       """Step `count` with its dP made the step before; the next block's dP is computed before

@@ -57,9 +57,18 @@ class _Static:
     # (A three-warpgroup forward's last CTA may reach past these rows: its warpgroups there skip.)
     return math.lcm(_WGS * self.fwd_cfg.block_q, _WGS * self.dq_cfg.block_q, self.dkv_cfg.block_q)
 
+  # K and V are padded to whole tiles of the backward kernels (`kv_multiple`). The forward
+  # walks them in its own key blocks over `fwd_kv_multiple`, the length its masks, tables and
+  # modifier arrays are padded to: where its block_kv does not divide the arrays' length (block_kv
+  # 192), its last block reaches past K and V, and the TMA copies fill that part with zeros
+  # (keys the length test hides), so that K and V are not copied to a longer array.
   @property
   def kv_multiple(self) -> int:
-    return math.lcm(self.fwd_cfg.block_kv, self.dq_cfg.block_kv, _WGS * self.dkv_cfg.block_kv)
+    return math.lcm(self.dq_cfg.block_kv, _WGS * self.dkv_cfg.block_kv)
+
+  @property
+  def fwd_kv_multiple(self) -> int:
+    return math.lcm(self.fwd_cfg.block_kv, self.kv_multiple)
 
 
 def _static(head_dim: int, scale: float, spec: mask_lib.MaskSpec, interpret: bool,
@@ -192,12 +201,12 @@ def _split_operands(operands):
   return mod_arrays, block_table.BlockVisibility(*tiles)
 
 
-def _mask_fn_tile_operands(static: _Static, q_len: int, kv_len: int) -> tuple:
-  """(visible, full): the FINE tiles of a mask_fn of positions alone over the padded grid,
-  computed while tracing (`block_mask.position_tiles`) and passed to the sharded passes as
-  replicated operands; (None, None) otherwise."""
-  padded = (-(-q_len // static.q_multiple) * static.q_multiple,
-            -(-kv_len // static.kv_multiple) * static.kv_multiple)
+def _mask_fn_tile_operands(static: _Static, q_len: int, kv_len: int, kv_multiple: int) -> tuple:
+  """(visible, full): the FINE tiles of a mask_fn of positions alone over the padded grid (keys
+  padded to `kv_multiple`: the forward's or the backward's), computed while tracing
+  (`block_mask.position_tiles`) and passed to the sharded passes as replicated operands; (None,
+  None) otherwise."""
+  padded = (mask_lib.round_up(q_len, static.q_multiple), mask_lib.round_up(kv_len, kv_multiple))
   tiles = block_mask.position_tiles(static.mods, *padded)
   return (None, None) if tiles is None else tuple(tiles)
 
@@ -206,11 +215,11 @@ def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   # (On one shard's arrays: the heuristic counts this device's CTAs.)
   splits = static.kv_splits or split_kv.num_splits(
       q.shape, k.shape, pack_gqa=static.pack_gqa, rows_per_cta=static.fwd_cfg.rows_per_cta,
-      kv_block=static.kv_multiple)
+      kv_block=static.fwd_kv_multiple)
   if splits > 1:
     unsplit = functools.partial(_forward_pass, dataclasses.replace(static, kv_splits=1))
-    return split_kv.forward(unsplit, splits, static.kv_multiple, q, k, v, q_lengths, kv_lengths,
-                            *mod_arrays)
+    return split_kv.forward(unsplit, splits, static.fwd_kv_multiple, q, k, v, q_lengths,
+                            kv_lengths, *mod_arrays)
   if static.pack_gqa:
     kv_heads, group = k.shape[2], q.shape[2] // k.shape[2]
     out, lse = _forward_pass(dataclasses.replace(static, pack_gqa=False),
@@ -218,9 +227,11 @@ def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
                              gqa_pack.pack_lengths(q_lengths, group), kv_lengths, *mod_arrays)
     return gqa_pack.unpack_rows(out, group), gqa_pack.unpack_stats(lse, group)
   q_len = q.shape[1]
+  # (K and V at least one key block long: a TMA copy may reach past an array's end, not be
+  # longer than it.)
   padded = mask_lib.pad_to_tiles(q, k, v, q_lengths, kv_lengths, static.q_multiple,
-                                 static.kv_multiple)
-  padded_lens = padded[0].shape[1], padded[1].shape[1]
+                                 static.kv_multiple, min_kv_len=static.fwd_cfg.block_kv)
+  padded_lens = padded[0].shape[1], mask_lib.round_up(k.shape[1], static.fwd_kv_multiple)
   mod_arrays, mask_fn_tiles = _split_operands(mod_arrays)
   padded_arrays = mod_arrays.padded(*padded_lens)
   element_blocks = block_mask.fine_visibility(static.mods, padded_arrays, *padded_lens,
@@ -232,7 +243,7 @@ def _forward_pass(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_arrays):
   fwd_cfg = static.fwd_cfg if table is None else static.fwd_cfg.two_warpgroups()
   out, lse = fwd.forward(*padded, scale=static.scale, spec=static.spec, cfg=fwd_cfg,
                          interpret=static.interpret, mods=static.mods,
-                         mod_arrays=padded_arrays, table=table)
+                         mod_arrays=padded_arrays, table=table, kv_len=padded_lens[1])
   return out[:, :q_len], lse[:, :, :q_len]
 
 
@@ -323,7 +334,7 @@ def _sharded_forward(static: _Static, q, k, v, q_lengths, kv_lengths, *mod_array
   # (+ the two mask_fn tile operands [1, 1, nq, nk], whole on every shard)
   layout = sharding.with_replicated(
       sharding.with_pairs(sharding.FORWARD, *_pair_shapes(mod_arrays)), 2)
-  tiles = _mask_fn_tile_operands(static, q.shape[1], k.shape[1])
+  tiles = _mask_fn_tile_operands(static, q.shape[1], k.shape[1], static.fwd_kv_multiple)
   return sharding.batch_head_parallel(functools.partial(_forward_pass, static), layout,
                                       q, k, v, q_lengths, kv_lengths, *mod_arrays, *tiles,
                                       auto_axes=not static.interpret)
@@ -356,7 +367,7 @@ def _attention_bwd(static, res, cotangents):
     d_out = jnp.zeros_like(out)
   layout = sharding.with_replicated(
       sharding.with_pairs(sharding.BACKWARD, *_pair_shapes(mod_arrays), dbias=with_dbias), 2)
-  tiles = _mask_fn_tile_operands(static, q.shape[1], k.shape[1])
+  tiles = _mask_fn_tile_operands(static, q.shape[1], k.shape[1], static.kv_multiple)
   grads = sharding.batch_head_parallel(
       functools.partial(_backward_pass, static, with_dbias=with_dbias), layout,
       q, k, v, d_out, lse, numerics.delta(d_out, out), q_lengths, kv_lengths, *mod_arrays,
