@@ -3,7 +3,7 @@
 Usage (on the H200): PYTHONPATH=. python scripts/dump_sass.py --head-dim 64 --out $OUT/sass
 (`--kernel dq|dkv|dqkv`: the backward's kernels as `benchmarks.bwd_parts` runs them: the table's
 dQ kernel, its dK/dV kernel without dQ, and the dK/dV kernel that also makes dQ, the table's fused
-layout forced on; default the forward.)
+layout forced on; default the forward, `--fwd-variant` a tuner variant's.)
 Mosaic GPU writes the kernel's PTX, ptxas log and SASS under --out (MOSAIC_GPU_DUMP_*; nvdisasm
 comes from CUDA_ROOT, which the device image's pip-installed CUDA does not set). Then the
 mnemonics of each dumped file that holds SASS (HGMMA instructions) are counted, whole kernel and
@@ -61,6 +61,9 @@ def main(argv=None):
   p.add_argument("--seq", type=int, default=4096)
   p.add_argument("--causal", action="store_true")
   p.add_argument("--kernel", choices=("fwd", "dq", "dkv", "dqkv"), default="fwd")
+  p.add_argument("--fwd-variant", default=None,
+                 help="with --kernel fwd: the forward of this benchmarks.tune variant instead of "
+                      "the table's")
   p.add_argument("--out", required=True, help="folder for Mosaic GPU's dumps")
   p.add_argument("--keep", default=None,
                  help="copy the SASS listing to this file (the dump folder holds many files; with "
@@ -84,8 +87,16 @@ def main(argv=None):
     heads = 2048 // args.head_dim
     shape = (16384 // args.seq, args.seq, heads, args.head_dim)
     q, k, v = (jax.random.normal(jax.random.key(i), shape, jnp.bfloat16) for i in range(3))
-    fwd = jax.jit(lambda q, k, v: pa.attention(q, k, v, is_causal=args.causal,
-                                               implementation="mosaic_gpu"))
+    if args.fwd_variant:
+      from benchmarks import tune
+      from pallas_attn.mosaic_gpu import ops
+      cfg = tune.variant_configs(args.fwd_variant, args.head_dim)["fwd"]
+      fwd = jax.jit(lambda q, k, v: ops.forward(
+          q, k, v, None, None, scale=args.head_dim ** -0.5,
+          spec=pa.MaskSpec(is_causal=args.causal), fwd_cfg=cfg)[0])
+    else:
+      fwd = jax.jit(lambda q, k, v: pa.attention(q, k, v, is_causal=args.causal,
+                                                 implementation="mosaic_gpu"))
     fwd(q, k, v).block_until_ready()
   for path in sorted(f for f in out.rglob("*") if f.is_file()):
     text = path.read_text(errors="replace")

@@ -68,6 +68,17 @@ class KernelConfig:
   # release, so 2 stages keep a step of lead. The range walks only: a block table (segment ids)
   # is walked as without it, with the ping-pong meetings whatever `ping_pong` says.
   overlap_qk: bool = False
+  # Forward with overlap_qk: tile j's softmax results (P already in the input dtype, m, l,
+  # alpha) pass through an optimization barrier before the wait for P(j - 1) V, meant to keep
+  # its exp2s and row sums under that wgmma. In the compiled step without it (H200 SASS, ncu's
+  # source page, session 22) the wait comes right after the row max and every exp2 after it:
+  # ptxas writes P(j) into the registers P(j - 1) V is still reading (the loop carry's), so it
+  # must wait first, and hoists the wait to interleave the conversions with the exp2s.
+  fence_softmax: bool = False
+  # Forward with overlap_qk: the unmasked steps run two a loop iteration (`common.paired_loop`),
+  # so that P(j) of the first is not the loop carry and can live in registers of its own while
+  # P(j - 1) V reads the carry's.
+  pair_steps: bool = False
   # Forward and dQ: visit the query tiles last first. Under a causal mask the last tile sees the
   # most keys, so the heaviest CTAs start in the first wave and the tail wave is made of light
   # ones (FA3's causal scheduling). Harmless without a mask (every tile weighs the same).
@@ -314,6 +325,9 @@ class KernelConfig:
       raise ValueError(f"block_kv ({self.block_kv}) must be at most 256 (the wgmma width)")
     if self.stages < 1:
       raise ValueError(f"stages must be >= 1, got {self.stages}")
+    if (self.fence_softmax or self.pair_steps) and not self.overlap_qk:
+      raise ValueError("fence_softmax and pair_steps are options of the overlapped forward: "
+                       "they need overlap_qk=True")
     if self.overlap_qk and self.stages < 2:
       raise ValueError(f"overlap_qk needs stages >= 2 (V slot j - 1 is freed after tile j's K "
                        f"slot is waited for), got stages={self.stages}")
