@@ -330,16 +330,6 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_descriptors_in_step": {"fwd": dict(tile_descriptors_in_step=True)},
     "fwd_kv192_descriptors_in_step_regs240": {"fwd": dict(
         block_kv=192, tile_descriptors_in_step=True, **_TWO_WGS_REGS240)},
-    # The overlapped step's softmax results (P converted) through an optimization barrier before
-    # P V's wait (the SASS waits right after the row max without it), and two unmasked steps a
-    # loop iteration (P(j) out of the loop carry's registers).
-    "fwd_fence_softmax": {"fwd": dict(overlap_qk=True, ping_pong=False, fence_softmax=True)},
-    "fwd_pair_steps": {"fwd": dict(overlap_qk=True, ping_pong=False, pair_steps=True)},
-    "fwd_fence_pair_steps": {"fwd": dict(overlap_qk=True, ping_pong=False, fence_softmax=True,
-                                         pair_steps=True)},
-    "fwd_fence_pair_steps_regs240": {"fwd": dict(overlap_qk=True, ping_pong=False,
-                                                 fence_softmax=True, pair_steps=True,
-                                                 **_TWO_WGS_REGS240)},
 }
 
 _DEFAULT = "default"

@@ -210,13 +210,6 @@ _VARIANTS = {
     "fwd_kv192_descriptors_in_step": {"fwd": _K(64, 192, overlap_qk=True, ping_pong=False,
                                                 fold_scale=True, compute_registers=240,
                                                 tile_descriptors_in_step=True)},
-    # The overlapped step's softmax (P converted) fenced before P V's wait (the fence compiled
-    # only: interpreted, the step runs one product after the other), and two unmasked steps a
-    # loop iteration (odd and even counts, dynamic lengths).
-    "fence_softmax": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
-                                fence_softmax=True)},
-    "fence_pair_steps": {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False, fold_scale=True,
-                                   fence_softmax=True, pair_steps=True)},
     "three_warpgroups": {"fwd": _THREE_WGS},
     "three_warpgroups_overlap_qk": {"fwd": dataclasses.replace(_THREE_WGS, overlap_qk=True)},
     "three_warpgroups_persistent_pairs": {"fwd": dataclasses.replace(
@@ -320,9 +313,6 @@ _VARIANT_CASES = [
                                                                    q_lengths=[460, 201])),
     ("persistent_pairs", cases.get_case("mha_17x17").replace(q_len=113, kv_len=600,
                                                              name="mha_113x600")),
-    ("fence_pair_steps", cases.get_case("mha_17x17").replace(q_len=113, kv_len=600,
-                                                             name="mha_113x600")),
-    ("fence_pair_steps", _GQA_CAUSAL_LENGTHS_330),
     ("fwd_kv192_descriptors_in_step", _CAUSAL_203),
     ("fwd_kv192_descriptors_in_step", _GQA_CAUSAL_LENGTHS_330),
     ("three_warpgroups_persistent_descriptors_in_step", _GQA_CAUSAL_203),
@@ -463,11 +453,6 @@ _LOWERED_VARIANTS = [
     (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
                      persistent_max_blocks=1 << 20, pair_q_tiles=True)}),
     (128, {"fwd": _VARIANTS["fwd_kv192_descriptors_in_step"]["fwd"]}),
-    (128, {"fwd": _VARIANTS["fence_softmax"]["fwd"]}),
-    (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
-                     fence_softmax=True, pair_steps=True)}),
-    (256, {"fwd": _K(64, 64, overlap_qk=True, ping_pong=False, fold_scale=True,
-                     fence_softmax=True, persistent=True)}),
     (64, {"fwd": _THREE_WGS}),
     (64, {"fwd": dataclasses.replace(_THREE_WGS, overlap_qk=True, persistent=True,
                                      pair_q_tiles=True)}),
@@ -590,13 +575,6 @@ def test_short_causal_rows_lower_the_separate_dq_kernel(is_causal, kernels):
 def test_dq_lhs_in_registers_is_the_plain_dq_kernels():
   with pytest.raises(ValueError, match="dq_lhs_in_registers.*head_split"):
     _K(64, 64, head_split=True, dq_lhs_in_registers=True)
-
-
-def test_fence_softmax_needs_the_overlap():
-  with pytest.raises(ValueError, match="fence_softmax and pair_steps.*overlap_qk"):
-    _K(64, 128, fence_softmax=True)
-  with pytest.raises(ValueError, match="fence_softmax and pair_steps.*overlap_qk"):
-    _K(64, 128, pair_steps=True)
 
 
 def test_separate_dq_max_blocks_is_checked():
@@ -905,15 +883,6 @@ _GPU_VARIANTS = {
     "fwd_descriptors_in_step": {"fwd": dataclasses.replace(config_lib.DEFAULTS[(128, "fwd")],
                                                            tile_descriptors_in_step=True)},
     "fwd_kv192_descriptors_in_step": _VARIANTS["fwd_kv192_descriptors_in_step"],
-    # The table's forward with its softmax fenced before P V's wait, one-tile and persistent.
-    "fence_softmax": {"fwd": dataclasses.replace(config_lib.DEFAULTS[(128, "fwd")],
-                                                 fence_softmax=True)},
-    "fence_softmax_persistent": {"fwd": dataclasses.replace(
-        config_lib.DEFAULTS[(128, "fwd")], fence_softmax=True, persistent=True)},
-    "fence_pair_steps": {"fwd": dataclasses.replace(
-        config_lib.DEFAULTS[(128, "fwd")], fence_softmax=True, pair_steps=True)},
-    "pair_steps": {"fwd": dataclasses.replace(config_lib.DEFAULTS[(128, "fwd")],
-                                              pair_steps=True)},
     "exp2_fma_overlap_qk": _VARIANTS["exp2_fma_overlap_qk"],
     "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,
                                          grid_order=("heads", "batch", "tiles"),
@@ -963,8 +932,6 @@ _GPU_FORWARD_LAYOUTS = {
                                                         tile_descriptors_in_step=True)),
     "d256_descriptors_in_step": (256, dataclasses.replace(config_lib.DEFAULTS[(256, "fwd")],
                                                           tile_descriptors_in_step=True)),
-    "d256_fence_softmax": (256, dataclasses.replace(config_lib.DEFAULTS[(256, "fwd")],
-                                                    fence_softmax=True, pair_steps=True)),
 }
 
 

@@ -262,16 +262,13 @@ def matmul_acc_smem(acc, lhs, rhs, interpret: bool) -> jax.Array:
 
 
 def matmul_then_rescaled_acc(first, acc, acc_scale, lhs, rhs, *, after_issue, between,
-                             between_init, staging=None, fence_between: bool = False):
+                             between_init, staging=None):
   """FlashAttention-3's step inside a warpgroup: `first` = (lhs, rhs, [M, N]) into a fresh
   float32 accumulator (shared-memory operands, as in `matmul`), then acc * acc_scale (one value
   per row) + lhs @ rhs in place (lhs a register array, as in `matmul_acc`), the two wgmmas
   issued back to back (the rescale runs while the first is on the tensor cores); then
   `after_issue()`; then the first product alone is awaited and `between(first_product)` runs on
-  the CUDA cores while the second wgmma is still on the tensor cores. `fence_between`: between's
-  results pass through an optimization barrier before that wgmma is awaited, so that the compiler
-  cannot leave their arithmetic until after the wait (pure arithmetic may move across it;
-  `KernelConfig.fence_softmax`).
+  the CUDA cores while the second wgmma is still on the tensor cores.
 
   Returns (the new acc, between's result). `between_init`: a pytree of arrays shaped like
   between's result, whose values are not used: compiled, the result leaves `pl.run_state` (whose
@@ -292,9 +289,6 @@ def matmul_then_rescaled_acc(first, acc, acc_scale, lhs, rhs, *, after_issue, be
       plgpu.wgmma(acc_ref, lhs, rhs)
       after_issue()
       result = between(plgpu.wgmma_accumulator_load(first_ref, wait_n=1))
-      if fence_between:
-        leaves, tree = jax.tree.flatten(result)
-        result = jax.tree.unflatten(tree, lax.optimization_barrier(tuple(leaves)))
       for ref, value in zip(jax.tree.leaves(result_refs), jax.tree.leaves(result)):
         ref[...] = value
 
@@ -379,24 +373,12 @@ def broadcast_cols(x, shape):
   return lax.broadcast_in_dim(x, shape, [1])
 
 
-def masked_loops(lo, full_lo, full_hi, hi, step, carry, paired: bool = False):
+def masked_loops(lo, full_lo, full_hi, hi, step, carry):
   """Run `step(j, carry, masked=...)` over [lo, hi): masked tiles at both ends, unmasked ones in
-  between (the positional ranges of `mask`). `paired`: the unmasked loop runs two steps an
-  iteration (`paired_loop`)."""
+  between (the positional ranges of `mask`)."""
   carry = lax.fori_loop(lo, full_lo, functools.partial(step, masked=True), carry)
-  middle = paired_loop if paired else lax.fori_loop
-  carry = middle(full_lo, full_hi, functools.partial(step, masked=False), carry)
+  carry = lax.fori_loop(full_lo, full_hi, functools.partial(step, masked=False), carry)
   return lax.fori_loop(full_hi, hi, functools.partial(step, masked=True), carry)
-
-
-def paired_loop(lo, hi, step, carry):
-  """lax.fori_loop(lo, hi, step, carry) with two steps a loop iteration (and a last single step
-  where hi - lo is odd): a value that one step makes and the next reads is then not the loop's
-  carry, so the compiler may keep it in other registers than the carry's
-  (`KernelConfig.pair_steps`)."""
-  pairs = jnp.maximum(hi - lo, 0) // 2
-  carry = lax.fori_loop(0, pairs, lambda i, c: step(lo + 2 * i + 1, step(lo + 2 * i, c)), carry)
-  return lax.fori_loop(lo + 2 * pairs, hi, step, carry)
 
 
 def produce_ring(num_steps, stages, issue_copies, wait_slot_free, start=None):

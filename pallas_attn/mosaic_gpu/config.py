@@ -68,17 +68,6 @@ class KernelConfig:
   # release, so 2 stages keep a step of lead. The range walks only: a block table (segment ids)
   # is walked as without it, with the ping-pong meetings whatever `ping_pong` says.
   overlap_qk: bool = False
-  # Forward with overlap_qk: tile j's softmax results (P already in the input dtype, m, l,
-  # alpha) pass through an optimization barrier before the wait for P(j - 1) V, meant to keep
-  # its exp2s and row sums under that wgmma. In the compiled step without it (H200 SASS, ncu's
-  # source page, session 22) the wait comes right after the row max and every exp2 after it:
-  # ptxas writes P(j) into the registers P(j - 1) V is still reading (the loop carry's), so it
-  # must wait first, and hoists the wait to interleave the conversions with the exp2s.
-  fence_softmax: bool = False
-  # Forward with overlap_qk: the unmasked steps run two a loop iteration (`common.paired_loop`),
-  # so that P(j) of the first is not the loop carry and can live in registers of its own while
-  # P(j - 1) V reads the carry's.
-  pair_steps: bool = False
   # Forward and dQ: visit the query tiles last first. Under a causal mask the last tile sees the
   # most keys, so the heaviest CTAs start in the first wave and the tail wave is made of light
   # ones (FA3's causal scheduling). Harmless without a mask (every tile weighs the same).
@@ -178,15 +167,16 @@ class KernelConfig:
   # The tiles every step's wgmmas read the same (the forward's q tile, QK^T's A operand; dK/dV:
   # this warpgroup's K and V for S^T and dP^T, with fused_dq the K tiles dQ reads; the
   # head-split dQ kernel's q and dO; the plain dQ kernel ignores it) indexed through
-  # `common.per_step_index`, so that their wgmma
-  # descriptors are built in the step instead of hoisted out of the walk. Hoisted, the d128
-  # fused dK/dV/dQ kernel holds 24 of them (64-bit each) across the walk and ptxas spills them,
-  # reloading before each S^T group (228 B stored, 360 B loaded a thread; the same PTX with them
-  # rebuilt at their wgmmas: 8 / 20 B). H200: on in head_dim 128's fused kernel (no spills
-  # left; fwd+bwd 1.04-1.11x); the separate dK/dV kernel (0.94-1.00x), head_dim 64's fused one
-  # (0.94-1.03x) and head_dim 256's head split (0.97-0.99x) are slower with it; the fused head
-  # split is 1.2x faster with it but still 0.71-0.83x the table (benchmarks/NOTES.md sessions
-  # 20, 21).
+  # `common.per_step_index`, so that their wgmma descriptors are built in the step instead of
+  # hoisted out of the walk. Hoisted, the d128 fused dK/dV/dQ kernel holds 24 of them (64-bit
+  # each) across the walk and ptxas spills them, reloading before each S^T group (228 B
+  # stored, 360 B loaded a thread; the same PTX with them rebuilt at their wgmmas: 8 / 20 B).
+  # H200: on in head_dim 128's fused kernel (no spills left; fwd+bwd 1.04-1.11x); the separate
+  # dK/dV kernel (0.94-1.00x), head_dim 64's fused one (0.94-1.03x) and head_dim 256's head
+  # split (0.97-0.99x) are slower with it; the fused head split is 1.2x faster with it but
+  # still 0.71-0.83x the table; the d128 forward 1.01-1.03x non-causal, 0.95-0.99x causal
+  # (it does not spill either way), and block_kv 192's spills stay (benchmarks/NOTES.md
+  # sessions 20-22).
   tile_descriptors_in_step: bool = False
   # Forward only: compute warpgroups a CTA (2 or 3), each owning `block_q` query rows, over one
   # K/V ring. FlashAttention-3's head_dim 64 forward takes 3 (192-row tiles): where a tile's
@@ -325,9 +315,6 @@ class KernelConfig:
       raise ValueError(f"block_kv ({self.block_kv}) must be at most 256 (the wgmma width)")
     if self.stages < 1:
       raise ValueError(f"stages must be >= 1, got {self.stages}")
-    if (self.fence_softmax or self.pair_steps) and not self.overlap_qk:
-      raise ValueError("fence_softmax and pair_steps are options of the overlapped forward: "
-                       "they need overlap_qk=True")
     if self.overlap_qk and self.stages < 2:
       raise ValueError(f"overlap_qk needs stages >= 2 (V slot j - 1 is freed after tile j's K "
                        f"slot is waited for), got stages={self.stages}")

@@ -349,9 +349,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       def run(s):
         s, c = after_qk(j, slot, s, cols, masked)
         p, m_new, l_new, alpha = online_softmax(s, m_i, l_i, c)
-        p = scores.dropped(p, scores.dropout_keep(p, cols))
-        # (cfg.fence_softmax: P in the input dtype before P(j - 1) V's wait, see `overlapped_step`)
-        return p.astype(dtype) if cfg.fence_softmax else p, m_new, l_new, alpha
+        return scores.dropped(p, scores.dropout_keep(p, cols)), m_new, l_new, alpha
 
       return run
 
@@ -373,15 +371,12 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       plgpu.barrier_wait(k_full.at[slot])
       plgpu.barrier_wait(v_full.at[prev])
       my_turn()
-      p_init = plgpu.layout_cast(
-          jnp.zeros((block_q, block_kv), dtype if cfg.fence_softmax else jnp.float32),
-          common.WGMMA)
+      p_init = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), common.WGMMA)
       acc, (p, m_new, l_i, alpha) = common.matmul_then_rescaled_acc(
           (q_tile(), k_smem.at[slot].T, (block_q, block_kv)), acc, alpha_prev, p_prev,
           v_smem.at[prev], after_issue=your_turn,
           between=softmax_after_qk(j, slot, cols, masked, m_i, l_i),
-          between_init=(p_init, m_i, l_i, alpha_prev), staging=staging,
-          fence_between=cfg.fence_softmax)
+          between_init=(p_init, m_i, l_i, alpha_prev), staging=staging)
       plgpu.barrier_arrive(v_free.at[prev])
       return acc, m_new, l_i, p.astype(dtype), alpha
 
@@ -421,7 +416,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
         start = lo + 1  # (past hi when there is no tile: the loops below run zero times)
         carry = common.masked_loops(start, jnp.maximum(full_lo, start),
                                     jnp.maximum(full_hi, jnp.maximum(full_lo, start)), hi,
-                                    overlapped_step, carry, paired=cfg.pair_steps)
+                                    overlapped_step, carry)
         carry = lax.cond(lo < hi, last_pv, keep, carry)[:3]
       else:
         carry = common.masked_loops(lo, full_lo, full_hi, hi,
