@@ -325,8 +325,9 @@ VARIANTS: dict[str, dict[str, dict]] = {
         compute_registers=240, tile_descriptors_in_step=True)},
     # Session 22. The forward's q tile (QK^T's A operand: 8 descriptors at head_dim 128) indexed
     # in the step, and with it block_kv 192 (FA3's head_dim 128 forward takes 176 keys, which
-    # Mosaic GPU's P V cannot: its contraction must be whole 64-element groups), which spilled
-    # 324-668 B at 240 registers with them hoisted (session 10).
+    # Mosaic GPU's P V cannot: its contraction must be whole 64-element groups). H200: 1.01-1.03x
+    # / 0.95-0.99x causal; block_kv 192 spills as much as with the descriptors hoisted (324-1352
+    # B), 0.58-1.04x at lengths it divides (preset d128_kv192).
     "fwd_descriptors_in_step": {"fwd": dict(tile_descriptors_in_step=True)},
     "fwd_kv192_descriptors_in_step_regs240": {"fwd": dict(
         block_kv=192, tile_descriptors_in_step=True, **_TWO_WGS_REGS240)},
