@@ -203,13 +203,14 @@ _VARIANTS = {
                                    persistent_max_blocks=4, persistent_max_blocks_skewed=3,
                                    pair_q_tiles=True)},
     "persistent_pairs_ping_pong": {"fwd": _K(64, 64, persistent=True, pair_q_tiles=True)},
-    # Three compute warpgroups (192-row CTAs; FlashAttention-3's head_dim 64 forward): a CTA's
-    # last tile partly past the rows, with the overlap, and persistent with tile pairs.
     # The forward's q tile indexed in the step (its QK^T descriptors built there): the
-    # overlapped walk at block_kv 192, and the plain one (three warpgroups, persistent pairs).
+    # overlapped walk at block_kv 192 (and the plain one below, three warpgroups).
     "fwd_kv192_descriptors_in_step": {"fwd": _K(64, 192, overlap_qk=True, ping_pong=False,
                                                 fold_scale=True, compute_registers=240,
                                                 tile_descriptors_in_step=True)},
+    # Three compute warpgroups (192-row CTAs; FlashAttention-3's head_dim 64 forward): a CTA's
+    # last tile partly past the rows, with the overlap, persistent with tile pairs, and
+    # persistent with the q tile indexed in the step.
     "three_warpgroups": {"fwd": _THREE_WGS},
     "three_warpgroups_overlap_qk": {"fwd": dataclasses.replace(_THREE_WGS, overlap_qk=True)},
     "three_warpgroups_persistent_pairs": {"fwd": dataclasses.replace(
@@ -604,7 +605,7 @@ def test_dq_in_flight_needs_two_slots():
 def test_forward_key_blocks_reach_past_keys_unpadded(block_kv, kv_len, padded):
   """K and V are padded to the backward's tiles (128 keys here) and to one forward block at
   least, not to whole forward blocks: a last block of 192 past the 4096 keys is read as the TMA
-  copy's zeros (interpreted: tests/test_mosaic_gpu.py's kv192 variant cases), not copied."""
+  copy's zeros (interpreted: the kv192 variant cases above), not copied."""
   q = jax.ShapeDtypeStruct((1, 64, 2, 64), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, kv_len, 2, 64), jnp.bfloat16)
   forward = functools.partial(ops.forward, scale=0.1, spec=pallas_attn.MaskSpec(),

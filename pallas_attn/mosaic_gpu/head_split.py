@@ -434,7 +434,7 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
   parts = _dq_parts(_half(0, head_dim))  # (fused_dq)
   do_stages = 1 if cfg.one_do_slot else cfg.stages
   return [
-      tile(1, cfg.block_kv, head_dim),  # k, then dk out (a leading 1: `same` in _dkv_kernel)
+      tile(1, cfg.block_kv, head_dim),  # k, then dk out (a leading 1: `_one_tile`)
       tile(1, cfg.block_kv, head_dim),  # v, then dv out
       tile(cfg.stages, cfg.block_q, head_dim),  # q ring
       tile(do_stages, cfg.block_q, head_dim),  # dO ring
@@ -651,7 +651,7 @@ def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpr
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
   freed = lambda: plgpu.Barrier(num_arrivals=_WGS, num_barriers=cfg.stages)
   return [
-      tile(1, cfg.block_q, head_dim),  # q, then dq out (a leading 1: `same` in _dq_kernel)
+      tile(1, cfg.block_q, head_dim),  # q, then dq out (a leading 1: `_one_tile`)
       tile(1, cfg.block_q, head_dim),  # dO
       plgpu.SMEM((cfg.block_q,), jnp.float32),  # lse
       plgpu.SMEM((cfg.block_q,), jnp.float32),  # delta
