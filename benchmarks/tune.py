@@ -331,16 +331,8 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_descriptors_in_step": {"fwd": dict(tile_descriptors_in_step=True)},
     "fwd_kv192_descriptors_in_step_regs240": {"fwd": dict(
         block_kv=192, tile_descriptors_in_step=True, **_TWO_WGS_REGS240)},
-    # Session 23. The overlapped forward's P carried in float32, converted at the next step's
-    # start (FA3's order), so that its exp2s need not wait for the P V wgmma in flight.
-    "fwd_carry_p_f32": {"fwd": dict(overlap_qk=True, carry_p_f32=True)},
-    "fwd_carry_p_f32_regs240": {"fwd": dict(overlap_qk=True, carry_p_f32=True,
-                                            **_TWO_WGS_REGS240)},
-    # ... and each step's row sums stored to shared memory before P V's wait (which ptxas
-    # hoists above the exp2s otherwise), with P carried either way.
-    "fwd_pin_pv_wait": {"fwd": dict(overlap_qk=True, pin_pv_wait=True)},
-    "fwd_pin_pv_wait_carry_p_f32": {"fwd": dict(overlap_qk=True, pin_pv_wait=True,
-                                                carry_p_f32=True)},
+    # (Session 23 tried the overlapped forward's P carried in float32 and its P V wait pinned
+    # behind the step's exp2s: 0.87-0.99x, removed; commit b03a50f has them.)
 }
 
 _DEFAULT = "default"

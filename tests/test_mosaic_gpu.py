@@ -208,14 +208,6 @@ _VARIANTS = {
     "fwd_kv192_descriptors_in_step": {"fwd": _K(64, 192, overlap_qk=True, ping_pong=False,
                                                 fold_scale=True, compute_registers=240,
                                                 tile_descriptors_in_step=True)},
-    # The overlapped forward's P carried in float32 (converted at the next step's start).
-    "carry_p_f32": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
-                              carry_p_f32=True)},
-    # ... with the row sums stored before P V's wait, and with the turns (the store is the
-    # step's last word before its wait: after the hand-over).
-    "pin_pv_wait_carry_p_f32": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False,
-                                          fold_scale=True, carry_p_f32=True, pin_pv_wait=True)},
-    "pin_pv_wait_turns": {"fwd": _K(64, 64, stages=3, overlap_qk=True, pin_pv_wait=True)},
     # Three compute warpgroups (192-row CTAs; FlashAttention-3's head_dim 64 forward): a CTA's
     # last tile partly past the rows, with the overlap, persistent with tile pairs, and
     # persistent with the q tile indexed in the step.
@@ -324,10 +316,6 @@ _VARIANT_CASES = [
                                                              name="mha_113x600")),
     ("fwd_kv192_descriptors_in_step", _CAUSAL_203),
     ("fwd_kv192_descriptors_in_step", _GQA_CAUSAL_LENGTHS_330),
-    ("carry_p_f32", _CAUSAL_203),
-    ("carry_p_f32", _GQA_CAUSAL_LENGTHS_330),  # rows with no key: the first step alone
-    ("pin_pv_wait_carry_p_f32", _GQA_CAUSAL_LENGTHS_330),
-    ("pin_pv_wait_turns", _CAUSAL_203),
     ("three_warpgroups_persistent_descriptors_in_step", _GQA_CAUSAL_203),
     ("three_warpgroups", _CAUSAL_203),  # 256 rows: the second CTA's last two tiles are past
     ("three_warpgroups", cases.get_case("gqa_causal_lengths_113x203")),
@@ -466,11 +454,6 @@ _LOWERED_VARIANTS = [
     (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
                      persistent_max_blocks=1 << 20, pair_q_tiles=True)}),
     (128, {"fwd": _VARIANTS["fwd_kv192_descriptors_in_step"]["fwd"]}),
-    (128, {"fwd": _VARIANTS["carry_p_f32"]["fwd"]}),
-    (128, {"fwd": _VARIANTS["pin_pv_wait_carry_p_f32"]["fwd"]}),
-    (256, {"fwd": dataclasses.replace(config_lib.DEFAULTS[(256, "fwd")], pin_pv_wait=True,
-                                      persistent=True)}),
-    (256, {"fwd": dataclasses.replace(config_lib.DEFAULTS[(256, "fwd")], carry_p_f32=True)}),
     (64, {"fwd": _THREE_WGS}),
     (64, {"fwd": dataclasses.replace(_THREE_WGS, overlap_qk=True, persistent=True,
                                      pair_q_tiles=True)}),
@@ -901,13 +884,6 @@ _GPU_VARIANTS = {
     "fwd_descriptors_in_step": {"fwd": dataclasses.replace(config_lib.DEFAULTS[(128, "fwd")],
                                                            tile_descriptors_in_step=True)},
     "fwd_kv192_descriptors_in_step": _VARIANTS["fwd_kv192_descriptors_in_step"],
-    # The table's forward with P carried in float32.
-    "fwd_carry_p_f32": {"fwd": dataclasses.replace(config_lib.DEFAULTS[(128, "fwd")],
-                                                   carry_p_f32=True)},
-    "fwd_pin_pv_wait": {"fwd": dataclasses.replace(config_lib.DEFAULTS[(128, "fwd")],
-                                                   pin_pv_wait=True)},
-    "fwd_pin_pv_wait_carry_p_f32": {"fwd": dataclasses.replace(
-        config_lib.DEFAULTS[(128, "fwd")], pin_pv_wait=True, carry_p_f32=True)},
     "exp2_fma_overlap_qk": _VARIANTS["exp2_fma_overlap_qk"],
     "persistent_heavy_first": {"fwd": _K(64, 128, reverse_q_tiles=True,
                                          grid_order=("heads", "batch", "tiles"),
@@ -957,15 +933,6 @@ _GPU_FORWARD_LAYOUTS = {
                                                         tile_descriptors_in_step=True)),
     "d256_descriptors_in_step": (256, dataclasses.replace(config_lib.DEFAULTS[(256, "fwd")],
                                                           tile_descriptors_in_step=True)),
-    # P carried in float32: the table's d256 forward, and d64's three warpgroups overlapped.
-    "d256_carry_p_f32": (256, dataclasses.replace(config_lib.DEFAULTS[(256, "fwd")],
-                                                  carry_p_f32=True)),
-    "d64_three_warpgroups_carry_p_f32": (64, dataclasses.replace(
-        _THREE_WGS, overlap_qk=True, carry_p_f32=True)),
-    "d256_pin_pv_wait": (256, dataclasses.replace(config_lib.DEFAULTS[(256, "fwd")],
-                                                  pin_pv_wait=True)),
-    "d256_pin_pv_wait_carry_p_f32": (256, dataclasses.replace(
-        config_lib.DEFAULTS[(256, "fwd")], pin_pv_wait=True, carry_p_f32=True)),
 }
 
 

@@ -262,7 +262,7 @@ def matmul_acc_smem(acc, lhs, rhs, interpret: bool) -> jax.Array:
 
 
 def matmul_then_rescaled_acc(first, acc, acc_scale, lhs, rhs, *, after_issue, between,
-                             between_init, staging=None, before_wait=None):
+                             between_init, staging=None):
   """FlashAttention-3's step inside a warpgroup: `first` = (lhs, rhs, [M, N]) into a fresh
   float32 accumulator (shared-memory operands, as in `matmul`), then acc * acc_scale (one value
   per row) + lhs @ rhs in place (lhs a register array, as in `matmul_acc`), the two wgmmas
@@ -272,15 +272,12 @@ def matmul_then_rescaled_acc(first, acc, acc_scale, lhs, rhs, *, after_issue, be
 
   Returns (the new acc, between's result). `between_init`: a pytree of arrays shaped like
   between's result, whose values are not used: compiled, the result leaves `pl.run_state` (whose
-  end awaits the second wgmma) through refs that start from it. `before_wait(result)`, if
-  given, runs last before that wait. The interpreter (`staging` given, see `matmul_acc`) runs
-  the same arithmetic one step after the other."""
-  before_wait = before_wait or (lambda result: None)
+  end awaits the second wgmma) through refs that start from it. The interpreter (`staging`
+  given, see `matmul_acc`) runs the same arithmetic one step after the other."""
   if staging is not None:
     product = matmul(first[0], first[1], first[2])
     after_issue()
     result = between(product)
-    before_wait(result)
     return matmul_acc(acc * broadcast_rows(acc_scale, acc.shape), lhs, rhs, staging), result
 
   def issue(first_ref):
@@ -294,7 +291,6 @@ def matmul_then_rescaled_acc(first, acc, acc_scale, lhs, rhs, *, after_issue, be
       result = between(plgpu.wgmma_accumulator_load(first_ref, wait_n=1))
       for ref, value in zip(jax.tree.leaves(result_refs), jax.tree.leaves(result)):
         ref[...] = value
-      before_wait(result)
 
     return pl.run_state(second)((plgpu.ACC.init(scaled), between_init))
 

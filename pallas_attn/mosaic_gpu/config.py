@@ -68,19 +68,6 @@ class KernelConfig:
   # release, so 2 stages keep a step of lead. The range walks only: a block table (segment ids)
   # is walked as without it, with the ping-pong meetings whatever `ping_pong` says.
   overlap_qk: bool = False
-  # Forward with overlap_qk: P is carried from a step to the next in float32 and converted to
-  # P V's bf16 operand at the next step's start (FlashAttention-3's place for the conversion:
-  # after the step's last wait). Carried in bf16, its conversion writes the registers that the
-  # previous P V wgmma still reads, and ptxas waits for that wgmma before the step's exp2s
-  # (the SASS of benchmarks/NOTES.md session 22). 32 more registers a thread at the back edge,
-  # where S is dead (head_dim 128).
-  carry_p_f32: bool = False
-  # Forward with overlap_qk: each step stores its row sums l (a shared-memory scratch nobody
-  # reads) right before P V's wait. ptxas hoists that wait above the step's exp2s otherwise,
-  # even where nothing in the step needs it (carry_p_f32's SASS, benchmarks/NOTES.md session
-  # 23), and the warpgroup's softmax no longer overlaps its own P V; l is made from every exp2
-  # of the tile, and the wait cannot move above a shared-memory store.
-  pin_pv_wait: bool = False
   # Forward and dQ: visit the query tiles last first. Under a causal mask the last tile sees the
   # most keys, so the heaviest CTAs start in the first wave and the tail wave is made of light
   # ones (FA3's causal scheduling). Harmless without a mask (every tile weighs the same).
@@ -331,9 +318,6 @@ class KernelConfig:
     if self.overlap_qk and self.stages < 2:
       raise ValueError(f"overlap_qk needs stages >= 2 (V slot j - 1 is freed after tile j's K "
                        f"slot is waited for), got stages={self.stages}")
-    if (self.carry_p_f32 or self.pin_pv_wait) and not self.overlap_qk:
-      raise ValueError("carry_p_f32 and pin_pv_wait are options of the overlapped forward: "
-                       "they need overlap_qk=True")
     if self.fused_dq and self.split_dkv:
       raise ValueError("fused_dq needs dK and dV from one launch (split_dkv=False)")
     if self.head_split and (self.split_dkv or self.dq_column_halves or self.co_issue_dq

@@ -138,8 +138,8 @@ class _Schedule:
 
 
 def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, out_ref, lse_ref,
-            qo_smem, k_smem, v_smem, lse_smem, o_smem, p_staging, pin_smem, q_full, k_full, v_full,
-            k_free, v_free, schedule, turns, *,
+            qo_smem, k_smem, v_smem, lse_smem, o_smem, p_staging, q_full, k_full, v_full, k_free,
+            v_free, schedule, turns, *,
             spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
             num_q_tiles: int, num_kv_blocks: int, groups: int, mods: mods_lib.KernelMods,
             work_schedule: _Schedule | None = None):
@@ -353,24 +353,6 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
 
       return run
 
-    # cfg.carry_p_f32: P rides the carry in float32 and becomes P V's bf16 operand at the next
-    # step's start, before its QK^T is issued (FlashAttention-3 converts P after the step's
-    # last wait). Carried in bf16, P(j) is written into the registers P(j - 1) V is still
-    # reading, so ptxas waits for that wgmma before the exp2s that make P(j).
-    p_carry_dtype = jnp.float32 if cfg.carry_p_f32 else dtype
-
-    def to_carry(p):
-      return p.astype(p_carry_dtype)
-
-    def pv_operand(p):
-      return p.astype(dtype) if cfg.carry_p_f32 else p
-
-    def pin_wait(softmax_result):
-      """cfg.pin_pv_wait: the step's row sums (made from every exp2 of the tile) stored to
-      shared memory before P V's wait, which ptxas keeps behind a shared-memory store."""
-      if pin_smem:
-        pin_smem[0].at[wg][...] = softmax_result[2]
-
     def first_step(carry):
       """Tile lo: S and its softmax; no P V yet (acc is zero: alpha rescales nothing)."""
       acc, m_i, l_i, _, _ = carry
@@ -380,11 +362,10 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       my_turn()
       s = common.matmul(q_tile(), k_smem.at[slot].T, (block_q, block_kv), while_running=your_turn)
       p, m_new, l_i, alpha = softmax_after_qk(lo, slot, cols, True, m_i, l_i)(s)
-      return acc, m_new, l_i, to_carry(p), alpha
+      return acc, m_new, l_i, p.astype(dtype), alpha
 
     def overlapped_step(j, carry, *, masked: bool):
       acc, m_i, l_i, p_prev, alpha_prev = carry
-      p_prev = pv_operand(p_prev)
       slot, prev = slot_of(j), slot_of(j - 1)
       cols = scores.columns(j, block_kv, masked=masked)
       plgpu.barrier_wait(k_full.at[slot])
@@ -395,16 +376,16 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
           (q_tile(), k_smem.at[slot].T, (block_q, block_kv)), acc, alpha_prev, p_prev,
           v_smem.at[prev], after_issue=your_turn,
           between=softmax_after_qk(j, slot, cols, masked, m_i, l_i),
-          between_init=(p_init, m_i, l_i, alpha_prev), staging=staging, before_wait=pin_wait)
+          between_init=(p_init, m_i, l_i, alpha_prev), staging=staging)
       plgpu.barrier_arrive(v_free.at[prev])
-      return acc, m_new, l_i, to_carry(p), alpha
+      return acc, m_new, l_i, p.astype(dtype), alpha
 
     def last_pv(carry):
       acc, m_i, l_i, p, alpha = carry
       last = slot_of(hi - 1)
       plgpu.barrier_wait(v_full.at[last])
-      acc = common.matmul_acc(acc * common.broadcast_rows(alpha, acc.shape), pv_operand(p),
-                              v_smem.at[last], staging)
+      acc = common.matmul_acc(acc * common.broadcast_rows(alpha, acc.shape), p, v_smem.at[last],
+                              staging)
       plgpu.barrier_arrive(v_free.at[last])
       return acc, m_i, l_i, p, alpha
 
@@ -428,7 +409,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       release_block = lambda j, c: (release_in_turn if overlapped else release)(slot_of(j), c)
       lax.fori_loop(cta_lo, lo, release_block, None)
       if overlapped:
-        carry += (plgpu.layout_cast(jnp.zeros((block_q, block_kv), p_carry_dtype), common.WGMMA),
+        carry += (plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), common.WGMMA),
                   plgpu.layout_cast(jnp.ones((block_q,), jnp.float32), common.WGMMA_ROW))
         keep = lambda c: c
         carry = lax.cond(lo < hi, first_step, keep, carry)
@@ -667,8 +648,6 @@ def scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret:
       # o out (persistent, when it fits: `out_tile_columns`)
       (_out_tile(cfg, out_columns, dtype),) if out_columns else (),
       common.staging_scratch(interpret, (wgs, cfg.block_q, cfg.block_kv), dtype),
-      # pin_pv_wait's row sums, stored each step and never read
-      (plgpu.SMEM((wgs, cfg.block_q), jnp.float32),) if cfg.pin_pv_wait else (),
       plgpu.Barrier(num_barriers=wgs),  # q loaded
       plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled
       plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled
