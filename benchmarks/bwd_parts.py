@@ -40,7 +40,8 @@ TOKENS = 16384
 HIDDEN = 2048
 
 
-def _inputs(batch: int, seq: int, heads: int, head_dim: int, dtype, seed: int = 0):
+def inputs(batch: int, seq: int, heads: int, head_dim: int, dtype, seed: int = 0):
+  """Fresh standard-normal q, k, v and d_out [batch, seq, heads, head_dim]."""
   keys = jax.random.split(jax.random.key(seed), 4)
   q, k, v, d_out = (jax.random.normal(key, (batch, seq, heads, head_dim), dtype)
                     for key in keys)
@@ -52,7 +53,7 @@ def shape_arrays(head_dim: int, seq: int, is_causal: bool, interpret: bool,
   """(q, k, v, d_out, out, lse, lengths) of one sweep shape (batch * seq = `tokens`, heads *
   head_dim = `hidden`): random normal inputs, out and lse from the table's forward."""
   heads, batch = max(1, hidden // head_dim), max(1, tokens // seq)
-  q, k, v, d_out = _inputs(batch, seq, heads, head_dim, dtype)
+  q, k, v, d_out = inputs(batch, seq, heads, head_dim, dtype)
   lengths = jnp.full((batch,), seq, jnp.int32)
   out, lse = jax.jit(lambda q, k, v: ops.forward(
       q, k, v, lengths, lengths, scale=1.0 / math.sqrt(head_dim),

@@ -9,6 +9,9 @@ dQ (the table's fused layout forced on), on one FlashAttention-sweep shape (batc
 tokens, heads * head_dim = 2048, bf16, random normal inputs). Each call blocks before the next,
 so the profiler sees each implementation's kernels in order. Timing belongs to the benchmark and
 the tuner; this only gives the profiler something to read (stall reasons, pipe use, spills).
+`--fwd-variants a,b`: instead, the forward kernel alone of each of those `benchmarks.tune`
+variants, in that order, at each length of `--seq` (which then may list several: 16384,4096),
+to set the forwards' counters side by side.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import argparse
 
 import jax
 
+import pallas_attn
+
 from benchmarks import bwd_parts
 from benchmarks import impls
 
@@ -24,9 +29,17 @@ from benchmarks import impls
 def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--head-dim", type=int, default=128)
-  p.add_argument("--seq", type=int, default=4096)
+  p.add_argument("--seq", default="4096", help="the sequence length (with --fwd-variants: lengths)")
   p.add_argument("--causal", action="store_true")
+  p.add_argument("--fwd-variants", default=None,
+                 help="comma-separated benchmarks.tune variants: run only their forwards")
   args = p.parse_args(argv)
+  if args.fwd_variants:
+    for seq in map(int, args.seq.split(",")):
+      for name in args.fwd_variants.split(","):
+        run_forward(name, args.head_dim, seq, args.causal)
+    return
+  args.seq = int(args.seq)
   q, k, v, d_out, out, lse, lengths = bwd_parts.shape_arrays(args.head_dim, args.seq,
                                                               args.causal, interpret=False)
   calls = {name: jax.jit(impls.fwd_bwd_fn(impls.get(name, "gpu").attend, args.causal))
@@ -37,6 +50,21 @@ def main(argv=None):
     print(f"ran {name} fwd+bwd", flush=True)
   jax.block_until_ready(fused(q, k, v, d_out, out, lse, lengths))
   print("ran the fused dK/dV/dQ kernel", flush=True)
+
+
+def run_forward(variant: str, head_dim: int, seq: int, causal: bool):
+  """One forward of tuner variant `variant` at a sweep shape, blocked on."""
+  from benchmarks import tune  # (the tuner's variant table)
+  from pallas_attn.mosaic_gpu import ops
+  heads = max(1, bwd_parts.HIDDEN // head_dim)
+  q, k, v, _ = bwd_parts.inputs(max(1, bwd_parts.TOKENS // seq), seq, heads, head_dim,
+                                 jax.numpy.bfloat16)
+  cfg = tune.variant_configs(variant, head_dim)["fwd"]
+  fwd = jax.jit(lambda q, k, v: ops.forward(q, k, v, None, None, scale=head_dim ** -0.5,
+                                            spec=pallas_attn.MaskSpec(is_causal=causal),
+                                            fwd_cfg=cfg)[0])
+  jax.block_until_ready(fwd(q, k, v))
+  print(f"ran the forward of {variant} at N {seq}", flush=True)
 
 
 if __name__ == "__main__":

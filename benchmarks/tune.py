@@ -132,6 +132,15 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # g. The persistent forward grid (one CTA per SM, FWD_GAP_ANALYSIS.md P2); with heaviest
     # causal tiles first (the q tiles axis slowest, reversed), and with the two options above.
     "fwd_persistent": {"fwd": dict(persistent=True)},
+    # The next item's q loaded after the walk's loops, not from their last step (session 24).
+    "fwd_persistent_q_late": {"fwd": dict(persistent=True, next_q_after_walk=True)},
+    "fwd_persistent_q_late_descriptors_in_step": {"fwd": dict(
+        persistent=True, next_q_after_walk=True, tile_descriptors_in_step=True)},
+    # head_dim 128's table (session 24) at the other head dims: the next q after the loops where
+    # the table runs persistent, and causal rows up to 100 blocks persistent too.
+    "fwd_q_late": {"fwd": dict(next_q_after_walk=True)},
+    "fwd_q_late_skewed100": {"fwd": dict(next_q_after_walk=True,
+                                         persistent_max_blocks_skewed=100)},
     "fwd_persistent_heavy_first": {"fwd": dict(persistent=True, reverse_q_tiles=True,
                                                grid_order=TILES_LAST)},
     "fwd_persistent_fold_ro": {"fwd": dict(persistent=True, fold_scale=True,

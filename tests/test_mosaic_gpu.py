@@ -370,6 +370,12 @@ _PERSISTENT_FORWARDS = [
     # head_dim 128 with 192-key blocks: no room for even half a tile; the output goes through
     # the q tile, so each next q waits for the store.
     pytest.param(128, _K(64, 192, persistent=True), {}, id="d128-kv192-shared_out_tile"),
+    # The next q loaded after the walk's loops (`next_q_after_walk`): the table's overlapped
+    # d128 forward, and the plain walk at d64.
+    pytest.param(128, _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
+                         persistent=True, next_q_after_walk=True), {}, id="d128-q_after_walk"),
+    pytest.param(64, _K(64, 64, persistent=True, next_q_after_walk=True),
+                 dict(kv_lengths=[203, 120]), id="d64-q_after_walk_lengths"),
     # The block-table walk (segment ids) and every modifier that reads per-item arrays.
     pytest.param(64, _K(64, 64, persistent=True, reverse_q_tiles=True), dict(
         q_segment_ids=True, logits_soft_cap=20.0, dropout_rate=0.1, kv_lengths=[203, 120]),
@@ -1002,6 +1008,18 @@ _PERSISTENT_GPU = {
         16, 1024, 16, 16, 128, True, None, None,
         _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
            pair_q_tiles=True)),
+    "b16_s1024_h16_d128_q_after_walk": (
+        16, 1024, 16, 16, 128, False, None, None,
+        _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
+           pair_q_tiles=True, next_q_after_walk=True)),
+    "b3_s1000_gqa4_d256_causal_lengths_q_after_walk": (
+        3, 1000, 8, 2, 256, True, [1000, 617, 5], [1000, 555, 0],
+        _K(64, 64, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
+           pair_q_tiles=True, next_q_after_walk=True)),
+    "b4_s2048_h32_d64_causal_three_warpgroups_q_after_walk": (
+        4, 2048, 32, 32, 64, True, None, None,
+        dataclasses.replace(_THREE_WGS, persistent=True, pair_q_tiles=True,
+                            next_q_after_walk=True)),
     "b4_s4096_h32_d64_causal_pairs": (
         4, 4096, 32, 32, 64, True, None, None,
         _K(64, 128, fold_scale=True, persistent=True, pair_q_tiles=True)),

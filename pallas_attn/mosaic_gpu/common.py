@@ -373,6 +373,15 @@ def broadcast_cols(x, shape):
   return lax.broadcast_in_dim(x, shape, [1])
 
 
+def ring_slot(count, stages: int):
+  """count % stages for a ring's non-negative running count: a mask where stages is a power of
+  two (the remainder of a signed count costs a sign fix-up on the uniform datapath, and live
+  uniform registers that a persistent forward's wgmma descriptors need)."""
+  if stages & (stages - 1) == 0:
+    return lax.bitwise_and(count, stages - 1)
+  return lax.rem(count, stages)
+
+
 def masked_loops(lo, full_lo, full_hi, hi, step, carry):
   """Run `step(j, carry, masked=...)` over [lo, hi): masked tiles at both ends, unmasked ones in
   between (the positional ranges of `mask`)."""

@@ -117,11 +117,16 @@ class KernelConfig:
   # the tiles axis last, the heaviest tiles go first). What a CTA launch paid once per tile it
   # pays once per SM: the K/V ring runs on across tiles (its slot counter carries over, so the
   # next tile's first blocks load under this tile's last ones), each compute warpgroup loads its
-  # next q tile right after its last QK^T of this one, and the output goes through its own
-  # shared-memory tile (when it fits the 227 KiB; at head_dim 256 a half-width one, through
-  # which the output goes in two column halves: `fwd.out_tile_columns`). A field of this frozen
-  # dataclass like the others, so it keys jax's caches and the tuner can vary it.
+  # next q tile right after its last QK^T of this one (or once its loops are done:
+  # `next_q_after_walk`), and the output goes through its own shared-memory tile (when it fits
+  # the 227 KiB; at head_dim 256 a half-width one, through which the output goes in two column
+  # halves: `fwd.out_tile_columns`). A field of this frozen dataclass like the others, so it
+  # keys jax's caches and the tuner can vary it.
   persistent: bool = False
+  # Forward, persistent range walks: the next item's q load issued after the walk's loops
+  # (before the last P V) instead of from inside the step that makes the last QK^T, which puts
+  # a branch (`pl.when(j == hi - 1)`) in every step of the loops (in the table at head_dim 128).
+  next_q_after_walk: bool = False
   # Forward: the persistent grid where the query tiles visit few key blocks (whatever
   # `persistent` says): at most `persistent_max_blocks` on average where the tiles visit about
   # as many (the largest within 25% of the mean: no mask, a window), at most
@@ -455,6 +460,14 @@ NUM_SMS = 132
 # whole one does not fit; through the q tile, session 12's 0.87-0.97x): 1.05 / 1.03x at N 512 /
 # 1024 (8 / 16 blocks of 64 keys), 0.91-0.99 beyond; causal 1.10-1.11x at N 512-2048 and
 # 1.08 / 1.06 / 1.04x at 4096 / 8192 / 16384 (32.5-128.5 blocks): up to 160 (session 17).
+# head_dim 128 forward: the persistent walk loads each next q after its loops
+# (`next_q_after_walk`; a branch in every step otherwise), and causal rows up to 100 key blocks a
+# tile on average go persistent (N 16384's 64.5; N 32768's 128.5 not measured). H200, two tuner
+# runs: causal 1.03-1.05x at N 2048-8192 (already persistent) and 1.04-1.05x at N 16384 over the
+# one-tile grid; non-causal rows where the table is persistent 0.98-1.00x (benchmarks/NOTES.md
+# session 24). head_dim 256 likewise (its causal rows persistent already): causal 1.03-1.05x at
+# N 2048-16384, 0.98x at 1024, non-causal 1.00-1.02x; head_dim 64's three warpgroups 0.99-1.01x:
+# left as they were.
 # head_dim 64 forward: three compute warpgroups (192-row CTAs, no ping-pong; H200, fa sweep N
 # 512-16384: 1.09-1.15x the two-warpgroup ping-pong forward, causal 0.98-1.11x; 3 stages
 # 1.04-1.11x; the overlap 0.96-0.99x; benchmarks/NOTES.md session 12).
@@ -465,10 +478,12 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
                               **_SHORT_ROWS_PERSISTENT),
     (128, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True, overlap_qk=True,
                                ping_pong=False, persistent_max_blocks=16,
-                               **_SHORT_ROWS_PERSISTENT),
+                               **{**_SHORT_ROWS_PERSISTENT, "persistent_max_blocks_skewed": 100},
+                               next_q_after_walk=True),
     (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True, overlap_qk=True,
                                ping_pong=False, persistent_max_blocks=16,
-                               **{**_SHORT_ROWS_PERSISTENT, "persistent_max_blocks_skewed": 160}),
+                               **{**_SHORT_ROWS_PERSISTENT, "persistent_max_blocks_skewed": 160},
+                               next_q_after_walk=True),
     # head_dim 64's dQ kernel runs only where its dK/dV does not fuse dQ (causal rows of a few
     # blocks; see below): dP's wgmma co-issued in both kernels, as at 128 (H200, fwd+bwd at N
     # 512-2048 causal: 1.02-1.05x the separate kernels without it; NOTES session 14).

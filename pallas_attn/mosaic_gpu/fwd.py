@@ -199,9 +199,9 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
 
     Persistent (`slot_base` given: the ring's running count before this item): q was loaded
     before; `next_q()` loads the next item's q into this warpgroup's q tile, which happens right
-    after the item's last QK^T when the output has its own shared memory, else once the output
-    store has read the q tile; the store is waited for before the output buffers are rewritten,
-    not here."""
+    after the item's last QK^T (`cfg.next_q_after_walk`: after the walk's loops) when the output
+    has its own shared memory, else once the output store has read the q tile; the store is
+    waited for before the output buffers are rewritten, not here."""
     persistent = slot_base is not None
     batch, head, kv_length, q_length = work.batch, work.head, work.kv_length, work.q_length
     cta_lo, cta_hi, cta_list = work.cta_lo, work.cta_hi, work.cta_list
@@ -215,6 +215,9 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       q_copy(wg, batch, head, q_start)
     # The next item's q, as soon as this one's is free (after the last QK^T of a range walk).
     q_after_last_qk = persistent and bool(o_smem) and cta_list is None
+    # cfg.next_q_after_walk: the same load once the walk's loops are done (no branch in them).
+    q_after_walk = q_after_last_qk and cfg.next_q_after_walk
+    q_after_last_qk = q_after_last_qk and not q_after_walk
 
     def ring_count(n):
       """The ring's running count at this item's n-th block (no add in a one-item CTA)."""
@@ -228,7 +231,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       hi = jnp.clip(hi, lo, cta_hi)
       full_lo, full_hi = mask_lib.kv_full_range(spec, q_start, block_q, block_kv, lo, hi,
                                                 kv_length)
-      slot_of = lambda j: lax.rem(ring_count(j - cta_lo), stages)
+      slot_of = lambda j: common.ring_slot(ring_count(j - cta_lo), stages)
     scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch, head=head,
                                         row_start=q_start, rows=block_q, kv_length=kv_length)
     # cfg.fold_scale applies where an unmasked tile's base-2 logits are q.k^T * scale * log2(e)
@@ -401,7 +404,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     elif not persistent:
       first_turn(wg)
     if cta_list is not None:  # both warpgroups walk the whole list: two meetings per entry
-      carry = cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(ring_count(i), stages),
+      carry = cta_list.visit(wg, carry, slot_of=lambda i: common.ring_slot(ring_count(i), stages),
                              release=release, step=step)
       if persistent and o_smem:  # (which entry is this warpgroup's last QK^T is not known)
         next_q()
@@ -417,11 +420,15 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
         carry = common.masked_loops(start, jnp.maximum(full_lo, start),
                                     jnp.maximum(full_hi, jnp.maximum(full_lo, start)), hi,
                                     overlapped_step, carry)
+        if q_after_walk:  # every QK^T of the item is done (its softmax read it)
+          next_q()
         carry = lax.cond(lo < hi, last_pv, keep, carry)[:3]
       else:
         carry = common.masked_loops(lo, full_lo, full_hi, hi,
                                     lambda j, c, masked: step(slot_of(j), j, c, masked=masked),
                                     carry)
+        if q_after_walk:
+          next_q()
       if q_after_last_qk:  # no QK^T at all (rows past the length, or no visible key)
         pl.when(hi <= lo)(next_q)
       lax.fori_loop(hi, cta_hi, release_block, None)
