@@ -414,7 +414,7 @@ def test_bwd_parts_agree_and_are_timed_in_the_interpreter():
   """The parts are the real kernels: the separate dQ and dK/dV kernels, the fused one and the
   table's backward give the same gradients (interpreted, 128 rows of head_dim 128), and every
   part gets a timed row; the fit of two lengths names each part."""
-  q, k, v, d_out = bwd_parts._inputs(1, 128, 1, 128, jnp.bfloat16, seed=3)
+  q, k, v, d_out = bwd_parts.inputs(1, 128, 1, 128, jnp.bfloat16, seed=3)
   lengths = jnp.full((1,), 128, jnp.int32)
   out = jax.nn.dot_product_attention(q, k, v).astype(q.dtype)
   lse = jax.nn.logsumexp(jnp.einsum("bqhd,bkhd->bhqk", q, k).astype(jnp.float32) / np.sqrt(128),
