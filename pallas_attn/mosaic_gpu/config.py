@@ -125,7 +125,8 @@ class KernelConfig:
   persistent: bool = False
   # Forward, persistent range walks: the next item's q load issued after the walk's loops
   # (before the last P V) instead of from inside the step that makes the last QK^T, which puts
-  # a branch (`pl.when(j == hi - 1)`) in every step of the loops (in the table at head_dim 128).
+  # a branch (`pl.when(j == hi - 1)`) in every step of the loops (in the table at head_dim 128 and
+  # 256).
   next_q_after_walk: bool = False
   # Forward: the persistent grid where the query tiles visit few key blocks (whatever
   # `persistent` says): at most `persistent_max_blocks` on average where the tiles visit about
