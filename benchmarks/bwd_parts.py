@@ -48,13 +48,19 @@ def inputs(batch: int, seq: int, heads: int, head_dim: int, dtype, seed: int = 0
   return q, k, v, d_out
 
 
+def sweep_inputs(head_dim: int, seq: int, tokens: int = TOKENS, hidden: int = HIDDEN,
+                 dtype=jnp.bfloat16) -> tuple:
+  """`inputs` of one sweep shape: batch * seq = `tokens`, heads * head_dim = `hidden`."""
+  heads, batch = max(1, hidden // head_dim), max(1, tokens // seq)
+  return inputs(batch, seq, heads, head_dim, dtype)
+
+
 def shape_arrays(head_dim: int, seq: int, is_causal: bool, interpret: bool,
                  tokens: int = TOKENS, hidden: int = HIDDEN, dtype=jnp.bfloat16) -> tuple:
-  """(q, k, v, d_out, out, lse, lengths) of one sweep shape (batch * seq = `tokens`, heads *
-  head_dim = `hidden`): random normal inputs, out and lse from the table's forward."""
-  heads, batch = max(1, hidden // head_dim), max(1, tokens // seq)
-  q, k, v, d_out = inputs(batch, seq, heads, head_dim, dtype)
-  lengths = jnp.full((batch,), seq, jnp.int32)
+  """(q, k, v, d_out, out, lse, lengths) of one sweep shape (`sweep_inputs`), out and lse from
+  the table's forward."""
+  q, k, v, d_out = sweep_inputs(head_dim, seq, tokens, hidden, dtype)
+  lengths = jnp.full((q.shape[0],), seq, jnp.int32)
   out, lse = jax.jit(lambda q, k, v: ops.forward(
       q, k, v, lengths, lengths, scale=1.0 / math.sqrt(head_dim),
       spec=pallas_attn.MaskSpec(is_causal=is_causal), interpret=interpret))(q, k, v)

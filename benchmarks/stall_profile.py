@@ -20,8 +20,6 @@ import argparse
 
 import jax
 
-import pallas_attn
-
 from benchmarks import bwd_parts
 from benchmarks import impls
 
@@ -53,17 +51,12 @@ def main(argv=None):
 
 
 def run_forward(variant: str, head_dim: int, seq: int, causal: bool):
-  """One forward of tuner variant `variant` at a sweep shape, blocked on."""
+  """One forward of tuner variant `variant` at a sweep shape, blocked on (no gradient is taken,
+  so only the forward kernel runs)."""
   from benchmarks import tune  # (the tuner's variant table)
-  from pallas_attn.mosaic_gpu import ops
-  heads = max(1, bwd_parts.HIDDEN // head_dim)
-  q, k, v, _ = bwd_parts.inputs(max(1, bwd_parts.TOKENS // seq), seq, heads, head_dim,
-                                 jax.numpy.bfloat16)
-  cfg = tune.variant_configs(variant, head_dim)["fwd"]
-  fwd = jax.jit(lambda q, k, v: ops.forward(q, k, v, None, None, scale=head_dim ** -0.5,
-                                            spec=pallas_attn.MaskSpec(is_causal=causal),
-                                            fwd_cfg=cfg)[0])
-  jax.block_until_ready(fwd(q, k, v))
+  q, k, v, _ = bwd_parts.sweep_inputs(head_dim, seq)
+  attend = tune.attend_fn(variant, head_dim, interpret=False)
+  jax.block_until_ready(jax.jit(lambda q, k, v: attend(q, k, v, is_causal=causal))(q, k, v))
   print(f"ran the forward of {variant} at N {seq}", flush=True)
 
 
