@@ -340,11 +340,6 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_descriptors_in_step": {"fwd": dict(tile_descriptors_in_step=True)},
     "fwd_kv192_descriptors_in_step_regs240": {"fwd": dict(
         block_kv=192, tile_descriptors_in_step=True, **_TWO_WGS_REGS240)},
-    # Session 25. head_dim 256's head split: warpgroup 1 makes dS^T from P^T's tile under its dV
-    # wgmma, instead of handing dP^T over in float32 for warpgroup 0 to make it after its dV.
-    "dp_makes_ds": {"dkv": dict(dp_makes_ds=True)},
-    # ... or warpgroup 0 makes it while its own dV wgmma runs.
-    "ds_under_dv": {"dkv": dict(ds_under_dv=True)},
     # (Session 23 tried the overlapped forward's P carried in float32 and its P V wait pinned
     # behind the step's exp2s: 0.87-0.99x, removed; commit b03a50f has them.)
 }

@@ -12,8 +12,6 @@ The `gpu` tests compile it on a Hopper GPU:
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,7 +23,6 @@ import test_mosaic_gpu_dropout as dropout_tests
 import test_mosaic_gpu_mods as mods_tests
 from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import config as config_lib
-from pallas_attn.mosaic_gpu import mods as mods_lib
 from pallas_attn.mosaic_gpu import ops
 from test_mosaic_gpu import _poison_allocator, kernel_table
 
@@ -45,14 +42,6 @@ FUSED_IN_STEP = _K(64, 64, stages=1, head_split=True, fused_dq=True, compute_reg
 # ... with q in two stages beside one dO slot and one float32 dQ tile a warpgroup.
 TWO_Q_STAGES = _K(64, 64, head_split=True, fused_dq=True, one_do_slot=True,
                   compute_registers=240, tile_descriptors_in_step=True)
-
-# Warpgroup 1 makes dS^T from P^T's tile while its dV wgmma reads it (the table's layout, and the
-# separate kernels).
-DP_MAKES_DS = _K(64, 64, head_split=True, fused_dq=True, one_do_slot=True,
-                 compute_registers=240, tile_descriptors_in_step=True, dp_makes_ds=True)
-SPLIT_DP_MAKES_DS = _K(64, 64, head_split=True, dp_makes_ds=True)
-# Warpgroup 0 makes dS^T while its dV wgmma runs (the table's layout otherwise).
-DS_UNDER_DV = dataclasses.replace(TWO_Q_STAGES, ds_under_dv=True)
 
 
 def _both(cfg):
@@ -93,21 +82,12 @@ _INTERPRETED = [
     (FUSED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     # The separate kernels with the tiles indexed through the optimization barrier.
     (IN_STEP, _CAUSAL_203.replace(head_dim=256)),
-    # dS^T made by warpgroup 1: both sides of the diagonal, GQA with lengths and rows with no
-    # key, one stage of the separate kernels.
-    (DP_MAKES_DS, _CAUSAL_203.replace(head_dim=256)),
-    (DP_MAKES_DS, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
-    (SPLIT_DP_MAKES_DS, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
-    (DS_UNDER_DV, _CAUSAL_203.replace(head_dim=256)),
-    (DS_UNDER_DV, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
 ]
 
 
 @pytest.mark.parametrize("cfg,case", [
     pytest.param(cfg, c.replace(dtype=cases.BF16),
                  id=(f"{cfg.stages}st{'-ahead' if cfg.dp_ahead else ''}"
-                     f"{'-dp_makes_ds' if cfg.dp_makes_ds else ''}"
-                     f"{'-ds_under_dv' if cfg.ds_under_dv else ''}"
                      f"{'-swizzled' if cfg.swizzle_f32 else ''}"
                      f"{'-fused' if cfg.fused_dq else ''}"
                      f"{'-in_step' if cfg.tile_descriptors_in_step else ''}"
@@ -131,10 +111,7 @@ def test_interpreted_head_split_dq_reversed_beside_plain_dkv(seed):
                                                ("segments_causal_150x150", 128, HEAD_SPLIT),
                                                ("segments_causal_150x150", 128, DP_AHEAD),
                                                ("all_gqa_lengths_113x203", 256, TWO_Q_STAGES),
-                                               ("segments_causal_150x150", 256, TWO_Q_STAGES),
-                                               ("all_gqa_lengths_113x203", 256, DP_MAKES_DS),
-                                               ("segments_causal_150x150", 256, DP_MAKES_DS),
-                                               ("all_gqa_lengths_113x203", 256, DS_UNDER_DV)])
+                                               ("segments_causal_150x150", 256, TWO_Q_STAGES)])
 def test_interpreted_head_split_with_modifiers(name, head_dim, cfg, seed):
   """Soft-cap (dS times its derivative), ALiBi per query head of the group, segment ids (the
   block table with one list per key tile), lengths."""
@@ -195,10 +172,6 @@ def test_head_split_config_is_checked():
     _K(64, 64, stages=1, head_split=True, dp_ahead=True)
   with pytest.raises(ValueError, match="dq_in_flight"):
     _K(64, 64, head_split=True, dq_in_flight=True)
-  with pytest.raises(ValueError, match="dp_makes_ds"):
-    _K(64, 64, dp_makes_ds=True)
-  with pytest.raises(ValueError, match="dp_makes_ds"):
-    _K(64, 64, head_split=True, dp_ahead=True, dp_makes_ds=True)
   q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="multiple of 128"):
     stats = jnp.zeros((1, 1, 64), jnp.float32)
@@ -212,9 +185,7 @@ def test_head_split_config_is_checked():
 @pytest.mark.parametrize("head_dim,cfg", [(256, HEAD_SPLIT), (128, HEAD_SPLIT),
                                           (256, HEAD_SPLIT_1STAGE), (256, DP_AHEAD),
                                           (256, FUSED), (128, FUSED), (256, IN_STEP),
-                                          (256, FUSED_IN_STEP), (256, TWO_Q_STAGES),
-                                          (256, DP_MAKES_DS), (256, SPLIT_DP_MAKES_DS),
-                                          (256, DS_UNDER_DV)])
+                                          (256, FUSED_IN_STEP), (256, TWO_Q_STAGES)])
 def test_head_split_lowers_for_cuda(head_dim, cfg):
   """The real lowering (the interpreter runs neither register operands nor the TMA rules), and
   the shared-memory check: two stages fit at head_dim 256 (dK/dV 226 KiB, dQ 218 KiB), and
@@ -231,33 +202,6 @@ def test_head_split_lowers_for_cuda(head_dim, cfg):
       lowering_platforms=("cuda",))
   # forward, dQ (none when fused in), one dK/dV
   assert lowered.as_text().count("mosaic_gpu_v2") == (2 if cfg.fused_dq else 3)
-
-
-@pytest.mark.parametrize("soft_cap,changes", [(None, True), (5.0, False)])
-def test_dp_makes_ds_where_the_modifiers_allow(soft_cap, changes):
-  """dp_makes_ds changes the traced dK/dV kernel where dS needs P alone, and leaves it as it was
-  under a soft-cap, whose derivative warpgroup 0 holds (`KernelMods.ds_from_p`)."""
-  q = jax.ShapeDtypeStruct((1, 256, 2, 256), jnp.bfloat16)
-  without = dataclasses.replace(DP_MAKES_DS, dp_makes_ds=False)
-
-  def traced(cfg):
-    def loss(q, k, v):
-      out, _ = ops.attention(q, k, v, None, None, scale=0.1,
-                             spec=pallas_attn.MaskSpec(is_causal=True), dkv_cfg=cfg,
-                             logits_soft_cap=soft_cap)
-      return out.astype(jnp.float32).sum()
-
-    return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(q, q, q))
-
-  assert (traced(DP_MAKES_DS) != traced(without)) == changes
-
-
-def test_ds_from_p_names_what_needs_more_than_p():
-  kernel_mods = mods_lib.KernelMods
-  assert kernel_mods().ds_from_p
-  assert kernel_mods(alibi=True, segment_ids=True).ds_from_p
-  assert not kernel_mods(soft_cap=5.0).ds_from_p
-  assert not kernel_mods(dropout_rate=0.1).ds_from_p
 
 
 def test_fused_head_split_needs_its_stage():
@@ -286,10 +230,7 @@ def test_fused_head_split_needs_its_stage():
                                  pytest.param(FUSED, id="fused"),
                                  pytest.param(IN_STEP, id="in_step"),
                                  pytest.param(FUSED_IN_STEP, id="fused_in_step"),
-                                 pytest.param(TWO_Q_STAGES, id="two_q_stages"),
-                                 pytest.param(DP_MAKES_DS, id="dp_makes_ds"),
-                                 pytest.param(SPLIT_DP_MAKES_DS, id="split_dp_makes_ds"),
-                                 pytest.param(DS_UNDER_DV, id="ds_under_dv")])
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
 @pytest.mark.parametrize("case", [
     pytest.param(c.replace(dtype=cases.BF16, head_dim=d), id=f"{c.name}-d{d}")
     for d in (256, 128)
@@ -306,9 +247,7 @@ def test_gpu_head_split_matches_reference(case, cfg, seed):
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
                                  pytest.param(FUSED, id="fused"),
                                  pytest.param(FUSED_IN_STEP, id="fused_in_step"),
-                                 pytest.param(TWO_Q_STAGES, id="two_q_stages"),
-                                 pytest.param(DP_MAKES_DS, id="dp_makes_ds"),
-                                 pytest.param(DS_UNDER_DV, id="ds_under_dv")])
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
 @pytest.mark.parametrize("name", list(mods_tests._CASES))
 def test_gpu_head_split_with_modifiers(name, cfg, seed):
   with kernel_table(256, _both(cfg)):
@@ -319,9 +258,7 @@ def test_gpu_head_split_with_modifiers(name, cfg, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
                                  pytest.param(FUSED, id="fused"),
-                                 pytest.param(TWO_Q_STAGES, id="two_q_stages"),
-                                 pytest.param(DP_MAKES_DS, id="dp_makes_ds"),
-                                 pytest.param(DS_UNDER_DV, id="ds_under_dv")])
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
 def test_gpu_head_split_with_dropout(cfg, seed):
   with kernel_table(256, _both(cfg)):
     _poison_allocator(64 << 20)

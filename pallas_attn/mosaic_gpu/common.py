@@ -261,29 +261,6 @@ def matmul_acc_smem(acc, lhs, rhs, interpret: bool) -> jax.Array:
   return matmul_acc(acc, lhs, rhs)
 
 
-def matmul_acc_under(acc, lhs, rhs, between, between_init, *, interpret: bool, staging=None):
-  """acc + lhs @ rhs with `between()` run on the CUDA cores while the wgmma is on the tensor
-  cores; both done on return. lhs is a shared-memory ref, or a register array (compiled; the
-  interpreter stages it through `staging`, as in `matmul_acc`). Returns (the new acc, between's
-  result). `between_init`: a pytree of arrays shaped like between's result (values unused), the
-  refs it leaves `pl.run_state` through (whose end awaits the wgmma), as in
-  `matmul_then_rescaled_acc`. The interpreter runs `between()` first, then the product."""
-  if interpret:
-    result = between()
-    if staging is not None:
-      return matmul_acc(acc, lhs, rhs, staging), result
-    return acc + matmul(lhs, rhs, acc.shape), result
-
-  def body(refs):
-    acc_ref, result_refs = refs
-    plgpu.wgmma(acc_ref, lhs, rhs)
-    result = between()
-    for ref, value in zip(jax.tree.leaves(result_refs), jax.tree.leaves(result)):
-      ref[...] = value
-
-  return pl.run_state(body)((plgpu.ACC.init(acc), between_init))
-
-
 def matmul_then_rescaled_acc(first, acc, acc_scale, lhs, rhs, *, after_issue, between,
                              between_init, staging=None):
   """FlashAttention-3's step inside a warpgroup: `first` = (lhs, rhs, [M, N]) into a fresh

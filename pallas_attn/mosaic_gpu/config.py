@@ -157,17 +157,6 @@ class KernelConfig:
   # next ring slot is read before this one is freed). H200, d256: 0.91-0.97x the plain head split
   # (benchmarks/NOTES.md session 9); off.
   dp_ahead: bool = False
-  # head_split dK/dV (not dp_ahead), where the modifiers leave dS a function of P alone
-  # (`KernelMods.ds_from_p`): warpgroup 1 makes dS^T = P^T * (dP^T - delta) from its own dP^T
-  # registers and warpgroup 0's P^T tile (the one its dV wgmma reads; P in the input dtype), on
-  # the CUDA cores while that dV wgmma runs, and warpgroup 0 reads dS^T from shared memory.
-  # Without it warpgroup 1 hands dP^T over in float32 and idles while warpgroup 0, its own dV
-  # done, makes dS^T with the tensor cores idle too. Elsewhere (soft-cap, score_fn, dropout)
-  # the kernel makes dS^T in warpgroup 0 whatever this says.
-  dp_makes_ds: bool = False
-  # head_split dK/dV: warpgroup 0 makes dS^T (from warpgroup 1's dP^T) while its own dV wgmma
-  # runs, instead of after it.
-  ds_under_dv: bool = False
   # head_split with fused_dq: dO in a ring of its own of one slot, which both warpgroups free
   # once their dV wgmma read it (mid-step: the next block's dO loads under dS^T, dK and dQ), and
   # the float32 dQ parts through one tile a warpgroup instead of two: the 64 KiB that pay for a
@@ -349,12 +338,6 @@ class KernelConfig:
     if self.head_split and self.fused_dq and self.dp_ahead:
       raise ValueError("head_split with fused_dq takes no dp_ahead (warpgroup 1's dQ part needs "
                        "the query block and head that its dp_ahead loop does not walk)")
-    if self.dp_makes_ds and not (self.head_split and not self.dp_ahead):
-      raise ValueError(f"dp_makes_ds is a head_split option without dp_ahead (whose warpgroup 1 "
-                       f"walks no query blocks), got head_split={self.head_split}, "
-                       f"dp_ahead={self.dp_ahead}")
-    if self.ds_under_dv and not self.head_split:
-      raise ValueError("ds_under_dv is a head_split option")
     if self.dp_ahead and not (self.head_split and self.stages >= 2):
       raise ValueError(f"dp_ahead is a head_split option and needs stages >= 2, got "
                        f"head_split={self.head_split}, stages={self.stages}")

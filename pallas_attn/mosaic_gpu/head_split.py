@@ -95,18 +95,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                                         tile=lax.axis_index("kv_tiles"))
     per_head, block_of = cta_list.count, cta_list.block
 
-  # Warpgroup 1 makes dS^T where the modifiers allow (cfg.dp_makes_ds); the dP^T tile then goes
-  # unused and its read barrier says that warpgroup 1 is done with P^T.
-  ds_by_dp = cfg.dp_makes_ds and mods.ds_from_p
-  pt_free = dpt_free
   # cfg.one_do_slot: dO's one slot and its own release (mid-step), behind the dQ tiles.
   do_free = dq_smem[1] if cfg.one_do_slot else None
   # (A traced 0: a constant index into the barriers inside the walk fails to lower, jax 0.11.2.)
   do_slot = lambda slot: lax.rem(slot, 1) if cfg.one_do_slot else slot
-
-  def dst_init():
-    """Registers shaped like a dS^T tile, which `common.matmul_acc_under` returns it through."""
-    return plgpu.layout_cast(jnp.zeros((block_kv, block_q), dtype), common.WGMMA)
 
   def release_do(slot):
     """This warpgroup's last read of the step's dO is done (its dV wgmma's)."""
@@ -217,51 +209,29 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       keep = scores.dropout_keep(pt, cols)
       pt_dropped = scores.dropped(pt, keep).astype(dtype)
 
-      # Warpgroup 1 is done with the last P^T (and, unless it makes dS^T, the last dS^T).
-      _wait_unless_first(count, pt_free if ds_by_dp else ds_free)
+      _wait_unless_first(count, ds_free)  # warpgroup 1 is done with the last P^T and dS^T
       pt_smem[...] = pt_dropped
-      plgpu.commit_smem()  # for warpgroup 1's dV wgmma (and its dS^T)
+      plgpu.commit_smem()  # for warpgroup 1's dV wgmma
       plgpu.barrier_arrive(pt_full)
-      if ds_by_dp:
-        dv = common.matmul_acc(dv, pt_dropped, do_smem.at[do_slot(slot), :, half], stage)
-        release_do(slot)
-        plgpu.barrier_wait(ds_full)
-        dk, reduce_last_dq = dk_and_dq(dk, dst_smem, slot, qi, g, half, dst_in_smem=True)
-        plgpu.barrier_arrive(ds_free)
-        reduce_last_dq()
-        return dk, dv
-
-      def make_ds():
-        plgpu.barrier_wait(dpt_full)
-        dpt = plgpu.load(dpt_smem, (), layout=common.WGMMA)
-        plgpu.barrier_arrive(dpt_free)
-        dpt = scores.dropped(dpt, keep)
-        delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
-        dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)), chain)
-        dst = dst.astype(dtype)
-        dst_smem[...] = dst
-        plgpu.commit_smem()  # for warpgroup 1's dK wgmma (and both dQ wgmmas)
-        plgpu.barrier_arrive(ds_full)
-        return dst
-
-      if cfg.ds_under_dv:  # dS^T made while dV's wgmma runs
-        dv, dst = common.matmul_acc_under(dv, pt_dropped, do_smem.at[do_slot(slot), :, half],
-                                          make_ds, dst_init(), interpret=stage is not None,
-                                          staging=stage)
-        release_do(slot)
-      else:
-        # dV before dP^T is read: P^T's low-precision copy is dead before dP^T's registers are
-        # live.
-        dv = common.matmul_acc(dv, pt_dropped, do_smem.at[do_slot(slot), :, half], stage)
-        release_do(slot)
-        dst = make_ds()
+      # dV before dP^T is read: P^T's low-precision copy is dead before dP^T's registers are live.
+      dv = common.matmul_acc(dv, pt_dropped, do_smem.at[do_slot(slot), :, half], stage)
+      release_do(slot)
+      plgpu.barrier_wait(dpt_full)
+      dpt = plgpu.load(dpt_smem, (), layout=common.WGMMA)
+      plgpu.barrier_arrive(dpt_free)
+      dpt = scores.dropped(dpt, keep)
+      delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
+      dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)), chain)
+      dst = dst.astype(dtype)
+      dst_smem[...] = dst
+      plgpu.commit_smem()  # for warpgroup 1's dK wgmma (and both dQ wgmmas)
+      plgpu.barrier_arrive(ds_full)
       dk, reduce_last_dq = dk_and_dq(dk, dst, slot, qi, g, half, dst_in_smem=False)
       reduce_last_dq()
       return dk, dv
 
     dk, dv, count = walk(step)
-    # Warpgroup 1's last release (every phase has a waiter).
-    _wait_unless_first(count, pt_free if ds_by_dp else ds_free)
+    _wait_unless_first(count, ds_free)  # warpgroup 1's last release (every phase has a waiter)
 
     _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (k_smem.at[0], dk_ref), rows, half,
                   dtype, halves_written)
@@ -278,8 +248,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       wait_filled(slot)
       dpt = common.matmul(v_smem.at[_one_tile(cfg)], do_smem.at[do_slot(slot)].T,
                           (block_kv, block_q))  # dP^T
-      if ds_by_dp:
-        return step_making_ds(slot, qi, g, dk, dv, dpt, count)
 
       _wait_unless_first(count, dpt_free)  # warpgroup 0 has read the last dP^T
       dpt_smem[...] = dpt
@@ -291,29 +259,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_wait(ds_full)
       dk, reduce_last_dq = dk_and_dq(dk, dst_smem, slot, qi, g, half, dst_in_smem=True)
       plgpu.barrier_arrive(ds_free)
-      reduce_last_dq()
-      return dk, dv
-
-    def step_making_ds(slot, qi, g, dk, dv, dpt, count):
-      """The step's rest where this warpgroup makes dS^T (`ds_by_dp`): from warpgroup 0's P^T
-      tile, while its dV wgmma reads that tile."""
-      delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
-      plgpu.barrier_wait(pt_full)
-
-      def make_ds():
-        pt = plgpu.load(pt_smem, (), layout=common.WGMMA).astype(jnp.float32)
-        dst = (pt * (dpt - common.broadcast_cols(delta, dpt.shape))).astype(dtype)
-        _wait_unless_first(count, ds_free)  # warpgroup 0 is done with the last dS^T
-        dst_smem[...] = dst
-        plgpu.commit_smem()  # for warpgroup 0's dK wgmma (and both dQ wgmmas)
-        plgpu.barrier_arrive(ds_full)
-        return dst
-
-      dv, dst = common.matmul_acc_under(dv, pt_smem, do_smem.at[do_slot(slot), :, half],
-                                        make_ds, dst_init(), interpret=stage is not None)
-      plgpu.barrier_arrive(pt_free)
-      release_do(slot)
-      dk, reduce_last_dq = dk_and_dq(dk, dst, slot, qi, g, half, dst_in_smem=False)
       reduce_last_dq()
       return dk, dv
 
@@ -344,8 +289,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                                      step_ahead, (zeros, zeros))
     else:
       dk, dv, count = walk(step)
-    # Warpgroup 0's last read of dP^T, or of dS^T.
-    _wait_unless_first(count, ds_free if ds_by_dp else dpt_free)
+    _wait_unless_first(count, dpt_free)  # warpgroup 0's last read of dP^T
 
     _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (v_smem.at[0], dv_ref), rows, half,
                   dtype, halves_written)

@@ -134,14 +134,6 @@ class KernelMods:
     return (self.alibi or self.dropout_rate > 0.0 or self.element_fns is not None or any(
         axes is not None and axes.heads for axes in (self.bias, self.mask)))
 
-  @property
-  def ds_from_p(self) -> bool:
-    """dS = P * (dP - delta) needs nothing of the tile but P: no soft-cap or score_fn (whose
-    derivatives take the logits) and no dropout (whose keep-mask drops dP). Biases, ALiBi and
-    masks act on the logits alone."""
-    return (self.soft_cap is None and self.dropout_rate == 0.0
-            and (self.element_fns is None or self.element_fns.score_fn is None))
-
 
 class ModArrays(NamedTuple):
   """The dynamic operands of the modifiers, None where absent. Passed to the kernels as one
