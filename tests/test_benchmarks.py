@@ -434,17 +434,20 @@ def test_bwd_parts_agree_and_are_timed_in_the_interpreter():
   assert all(f"| {part} |" in fit for part in fns)
 
 
-def test_fused_dq_probes_lower_for_cuda_and_put_common_back():
-  """Every probe of every set lowers for CUDA (128 rows), and the functions it swaps into
-  `common` while it traces are the originals again after."""
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_fused_dq_probes_lower_for_cuda_and_put_common_back(head_dim):
+  """Every probe of every set lowers for CUDA (128 rows; at head_dim 256 the fused head split),
+  and the functions it swaps into `common` while it traces are the originals again after."""
   from pallas_attn.mosaic_gpu import common
   originals = common.reduce_add, common.matmul_accs_then_product
-  q = jax.ShapeDtypeStruct((1, 128, 1, 128), jnp.bfloat16)
+  q = jax.ShapeDtypeStruct((1, 128, 1, head_dim), jnp.bfloat16)
   stats = jax.ShapeDtypeStruct((1, 1, 128), jnp.float32)
   lengths = jax.ShapeDtypeStruct((1,), jnp.int32)
   args = (q, q, q, q, stats, stats, lengths)
   for name in ("reduce", "parts", "knobs"):
-    for probe in fused_dq_probe.probes(name).values():
+    probes = fused_dq_probe.probes(name, head_dim)
+    assert all(cfg.head_split == (head_dim == 256) for _, cfg, _ in probes.values())
+    for probe in probes.values():
       text = fused_dq_probe.lowered(*probe, args, pallas_attn.MaskSpec(),
                                     platforms=("cuda",)).as_text()
       assert "mosaic_gpu" in text
