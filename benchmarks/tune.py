@@ -340,9 +340,6 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_descriptors_in_step": {"fwd": dict(tile_descriptors_in_step=True)},
     "fwd_kv192_descriptors_in_step_regs240": {"fwd": dict(
         block_kv=192, tile_descriptors_in_step=True, **_TWO_WGS_REGS240)},
-    # Session 25. head_dim 256's fused head split: warpgroup 0's dQ parts out through its float32
-    # tile and the dP^T tile in turn, so that a part need not wait for the last one's read.
-    "dq_through_dp_tile": {"dkv": dict(dq_through_dp_tile=True)},
     # (Session 23 tried the overlapped forward's P carried in float32 and its P V wait pinned
     # behind the step's exp2s: 0.87-0.99x, removed; commit b03a50f has them.)
 }

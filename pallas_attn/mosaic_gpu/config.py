@@ -164,13 +164,6 @@ class KernelConfig:
   # next block's load from starting before both warpgroups end the step). FA3's head_dim 256
   # backward: q in two stages, dO in one. Needs stages >= 2.
   one_do_slot: bool = False
-  # head_split with one_do_slot: warpgroup 0's dQ parts go out through its float32 tile and the
-  # float32 dP^T tile in turn (free from warpgroup 0's read of dP^T to warpgroup 1's next
-  # write, which now also waits for that part's reduce-add to have read it), so a part need
-  # not wait for the last part's read of the one tile before it is written. A timing probe
-  # (`benchmarks/fused_dq_probe.py --head-dim 256`, no_read_wait) put that wait at ~9% of the
-  # kernel (benchmarks/NOTES.md session 25).
-  dq_through_dp_tile: bool = False
   # Registers per thread of each compute warpgroup (setmaxnreg); the producer warpgroup keeps
   # what they leave of the launch's (`launch_registers`): of 3 * 168, 40 at 232 (tokamax's and
   # JAX's examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups); of 4 *
@@ -342,9 +335,6 @@ class KernelConfig:
       raise ValueError(f"one_do_slot is an option of head_split with fused_dq and stages >= 2 "
                        f"(a second q stage beside one dO slot), got head_split={self.head_split}, "
                        f"fused_dq={self.fused_dq}, stages={self.stages}")
-    if self.dq_through_dp_tile and not self.one_do_slot:
-      raise ValueError("dq_through_dp_tile is an option of one_do_slot (the head split's fused "
-                       "dQ through one float32 tile a warpgroup)")
     if self.head_split and self.fused_dq and self.dp_ahead:
       raise ValueError("head_split with fused_dq takes no dp_ahead (warpgroup 1's dQ part needs "
                        "the query block and head that its dp_ahead loop does not walk)")

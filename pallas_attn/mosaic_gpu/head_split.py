@@ -95,15 +95,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                                         tile=lax.axis_index("kv_tiles"))
     per_head, block_of = cta_list.count, cta_list.block
 
-  # cfg.dq_through_dp_tile: warpgroup 0's dQ parts go out through its own float32 tile and the
-  # dP^T tile in turn (each part's tile read out while the next part is made).
-  dq_in_dpt = cfg.dq_through_dp_tile
-  wg0_dq_tiles = None
-  if dq_in_dpt:
-    wg0_dq_tiles = [dq_smem[0].at[_SCORES, 0], dpt_smem]
-    if dpt_smem.shape != wg0_dq_tiles[0].shape:
-      raise ValueError(f"dq_through_dp_tile needs the dP^T tile {dpt_smem.shape} shaped like a "
-                       f"dQ part {wg0_dq_tiles[0].shape} (block_q = block_kv = head_dim / 4)")
   # cfg.one_do_slot: dO's one slot and its own release (mid-step), behind the dQ tiles.
   do_free = dq_smem[1] if cfg.one_do_slot else None
   # (A traced 0: a constant index into the barriers inside the walk fails to lower, jax 0.11.2.)
@@ -128,15 +119,14 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     # Interpreted, each key tile writes its own partial dQ (see `bwd.dqkv`).
     dq_dest = dq_acc_ref.at[lax.axis_index("kv_tiles")] if dq_partials else dq_acc_ref
 
-  def dk_and_dq(dk, dst, slot, qi, g, half, *, dst_in_smem: bool, dq_tiles=None):
+  def dk_and_dq(dk, dst, slot, qi, g, half, *, dst_in_smem: bool):
     """dK[:, half] += dS^T Q[:, half] (dst: dS^T in registers, or its shared-memory tile), and
     with fused_dq this warpgroup's half of the block's dQ part, dS K[:, half] (dS^T's tile read
     transposed), in parts of [block_q, head_dim / 4] where those are whole 64-column tiles
     (`_dq_parts`; a whole [64, 128] float32 half spilled as much, benchmarks/NOTES.md session
     16): the first issued behind dK's wgmma and awaited with it, each reduce-added while the
     next runs. Returns (dK, a thunk that reduce-adds the last part: nothing without fused_dq),
-    for warpgroup 1 to call once it has released the dS^T tile. `dq_tiles`: the shared-memory
-    tiles the parts go out through in turn (default: this warpgroup's own)."""
+    for warpgroup 1 to call once it has released the dS^T tile."""
     accumulating = (dk, dst, q_smem.at[slot, :, half])
     if dq_acc_ref is None:
       if dst_in_smem:
@@ -151,19 +141,19 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     else:
       (dk,), part = common.matmul_accs_then_product(
           (accumulating,), lambda: dq_pairs(parts[0]), dq_shape, stage)
-    if dq_tiles is None:
-      dq_tiles = [dq_out_smem.at[wg, i] for i in range(dq_out_smem.shape[1])]
     for i in range(1, len(parts)):
-      reduce_dq(part, qi, g, parts, i - 1, dq_tiles)
+      reduce_dq(part, qi, g, parts, i - 1)
       part = common.matmul_sum(dq_pairs(parts[i]), dq_shape)
-    return dk, functools.partial(reduce_dq, part, qi, g, parts, len(parts) - 1, dq_tiles)
+    return dk, functools.partial(reduce_dq, part, qi, g, parts, len(parts) - 1)
 
-  def reduce_dq(part, qi, g, parts, i, tiles):
-    """dQ[qi block, query head g of the group, parts[i]] += part, through tile i of `tiles`
-    (shared memory, taken in turn) once the last reduce-add from it has read it (a reduce-add
-    still reading is from another tile, if any)."""
+  def reduce_dq(part, qi, g, parts, i):
+    """dQ[qi block, query head g of the group, parts[i]] += part, through this warpgroup's
+    shared-memory tile i (a reduce-add still reading is from the other tile, if any), or its
+    one tile (cfg.one_do_slot: once the last reduce-add from it has read it)."""
     dest = dq_dest.at[batch, pl.ds(qi * block_q, block_q), kv_head * groups + g, parts[i]]
-    common.reduce_add(part, tiles[i % len(tiles)], dest, dq_partials, pending=len(tiles) - 1)
+    tiles = dq_out_smem.shape[1]
+    common.reduce_add(part, dq_out_smem.at[wg, i % tiles], dest, dq_partials,
+                      pending=tiles - 1)
 
   def wait_filled(slot):
     plgpu.barrier_wait(q_full.at[slot])
@@ -212,8 +202,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       cols = scores.columns(qi, block_q, masked=masked)
       wait_filled(slot)
       st = common.matmul(k_smem.at[_one_tile(cfg)], q_smem.at[slot].T,  # S^T
-                         (block_kv, block_q),
-                         while_running=(lambda: free_dpt(count)) if dq_in_dpt else None)
+                         (block_kv, block_q))
       st, chain = scores(st, cols, masked=masked)
       lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
       pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
@@ -229,8 +218,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       release_do(slot)
       plgpu.barrier_wait(dpt_full)
       dpt = plgpu.load(dpt_smem, (), layout=common.WGMMA)
-      if not dq_in_dpt:  # (else once the dQ part through it is read out: `free_dpt`)
-        plgpu.barrier_arrive(dpt_free)
+      plgpu.barrier_arrive(dpt_free)
       dpt = scores.dropped(dpt, keep)
       delta = plgpu.load(delta_smem.at[slot], (), layout=common.WGMMA_COL)
       dst = mods_lib.logit_grad(pt * (dpt - common.broadcast_cols(delta, dpt.shape)), chain)
@@ -238,25 +226,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dst_smem[...] = dst
       plgpu.commit_smem()  # for warpgroup 1's dK wgmma (and both dQ wgmmas)
       plgpu.barrier_arrive(ds_full)
-      dk, reduce_last_dq = dk_and_dq(dk, dst, slot, qi, g, half, dst_in_smem=False,
-                                     dq_tiles=wg0_dq_tiles)
+      dk, reduce_last_dq = dk_and_dq(dk, dst, slot, qi, g, half, dst_in_smem=False)
       reduce_last_dq()
       return dk, dv
 
-    def free_dpt(count):
-      """With `dq_in_dpt`: once the last step's dQ part has been read out of the dP^T tile (its
-      reduce-add issued at that step's end, read under this step's S^T), warpgroup 1 may write
-      the next dP^T into it."""
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-      @pl.when(count > 0)
-      def _():
-        plgpu.barrier_arrive(dpt_free)
-
     dk, dv, count = walk(step)
     _wait_unless_first(count, ds_free)  # warpgroup 1's last release (every phase has a waiter)
-    if dq_in_dpt:
-      free_dpt(count)  # (the last step's; warpgroup 1 waits for it after its walk)
 
     _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (k_smem.at[0], dk_ref), rows, half,
                   dtype, halves_written)
