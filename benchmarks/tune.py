@@ -340,12 +340,6 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_descriptors_in_step": {"fwd": dict(tile_descriptors_in_step=True)},
     "fwd_kv192_descriptors_in_step_regs240": {"fwd": dict(
         block_kv=192, tile_descriptors_in_step=True, **_TWO_WGS_REGS240)},
-    # Session 25. head_dim 256's fused head split: each dQ part out in two column halves through
-    # two half-width float32 tiles, so a half waits only for the read of the one before last.
-    # (The same session tried dS^T made in warpgroup 1 or under dV's wgmma, 0.93-1.02x and
-    # 0.96-0.99x, and warpgroup 0's second part through the dP^T tile, 0.92-0.94x; commits
-    # bfaa3ca and c384c9d have them.)
-    "dq_out_halves": {"dkv": dict(dq_out_halves=True)},
     # (Session 23 tried the overlapped forward's P carried in float32 and its P V wait pinned
     # behind the step's exp2s: 0.87-0.99x, removed; commit b03a50f has them.)
 }
@@ -390,10 +384,6 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   if plain_dq_options and config_lib.kernel_config(shape.head_dim, "dq").head_split:
     return (f"does not apply: {plain_dq_options[0]} is the plain dQ kernel's, not head_dim "
             f"{shape.head_dim}'s")
-  if dkv_changes.get("dq_out_halves") and not dkv_changes.get("one_do_slot",
-                                                               table_dkv.one_do_slot):
-    return (f"does not apply: dq_out_halves is an option of the fused head split's one dQ tile "
-            f"(head_dim 256), not head_dim {shape.head_dim}'s")
   if dkv_changes.get("split_dkv") and shape.head_dim != 256:
     return f"does not apply: dK and dV in two launches is head_dim 256's, not {shape.head_dim}'s"
   if any(c.get("head_split") for c in VARIANTS[name].values()) and shape.head_dim % 128:

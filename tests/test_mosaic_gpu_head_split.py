@@ -12,8 +12,6 @@ The `gpu` tests compile it on a Hopper GPU:
 
 from __future__ import annotations
 
-import dataclasses
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,8 +42,6 @@ FUSED_IN_STEP = _K(64, 64, stages=1, head_split=True, fused_dq=True, compute_reg
 # ... with q in two stages beside one dO slot and one float32 dQ tile a warpgroup.
 TWO_Q_STAGES = _K(64, 64, head_split=True, fused_dq=True, one_do_slot=True,
                   compute_registers=240, tile_descriptors_in_step=True)
-# ... each dQ part out in two column halves through two half-width tiles.
-DQ_OUT_HALVES = dataclasses.replace(TWO_Q_STAGES, dq_out_halves=True)
 
 
 def _both(cfg):
@@ -86,12 +82,6 @@ _INTERPRETED = [
     (FUSED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     # The separate kernels with the tiles indexed through the optimization barrier.
     (IN_STEP, _CAUSAL_203.replace(head_dim=256)),
-    # dQ parts out in column halves: several steps per key tile both sides of the diagonal, a
-    # GQA group's heads adding into one dQ each, key lengths and rows with no key, and at
-    # head_dim 128 (parts of 64 columns, halves of 32).
-    (DQ_OUT_HALVES, _CAUSAL_203.replace(head_dim=256)),
-    (DQ_OUT_HALVES, cases.get_case("mqa_113x203").replace(head_dim=256)),
-    (DQ_OUT_HALVES, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
 ]
 
 
@@ -101,8 +91,7 @@ _INTERPRETED = [
                      f"{'-swizzled' if cfg.swizzle_f32 else ''}"
                      f"{'-fused' if cfg.fused_dq else ''}"
                      f"{'-in_step' if cfg.tile_descriptors_in_step else ''}"
-                     f"{'-one_do_slot' if cfg.one_do_slot else ''}"
-                     f"{'-dq_out_halves' if cfg.dq_out_halves else ''}-{c.name}-d{c.head_dim}"))
+                     f"{'-one_do_slot' if cfg.one_do_slot else ''}-{c.name}-d{c.head_dim}"))
     for cfg, c in _INTERPRETED])
 def test_interpreted_head_split_matches_reference(cfg, case, seed):
   with kernel_table(case.head_dim, _both(cfg)):
@@ -122,8 +111,7 @@ def test_interpreted_head_split_dq_reversed_beside_plain_dkv(seed):
                                                ("segments_causal_150x150", 128, HEAD_SPLIT),
                                                ("segments_causal_150x150", 128, DP_AHEAD),
                                                ("all_gqa_lengths_113x203", 256, TWO_Q_STAGES),
-                                               ("segments_causal_150x150", 256, TWO_Q_STAGES),
-                                               ("all_gqa_lengths_113x203", 256, DQ_OUT_HALVES)])
+                                               ("segments_causal_150x150", 256, TWO_Q_STAGES)])
 def test_interpreted_head_split_with_modifiers(name, head_dim, cfg, seed):
   """Soft-cap (dS times its derivative), ALiBi per query head of the group, segment ids (the
   block table with one list per key tile), lengths."""
@@ -184,8 +172,6 @@ def test_head_split_config_is_checked():
     _K(64, 64, stages=1, head_split=True, dp_ahead=True)
   with pytest.raises(ValueError, match="dq_in_flight"):
     _K(64, 64, head_split=True, dq_in_flight=True)
-  with pytest.raises(ValueError, match="dq_out_halves"):
-    _K(64, 64, head_split=True, fused_dq=True, dq_out_halves=True)
   q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="multiple of 128"):
     stats = jnp.zeros((1, 1, 64), jnp.float32)
@@ -199,8 +185,7 @@ def test_head_split_config_is_checked():
 @pytest.mark.parametrize("head_dim,cfg", [(256, HEAD_SPLIT), (128, HEAD_SPLIT),
                                           (256, HEAD_SPLIT_1STAGE), (256, DP_AHEAD),
                                           (256, FUSED), (128, FUSED), (256, IN_STEP),
-                                          (256, FUSED_IN_STEP), (256, TWO_Q_STAGES),
-                                          (256, DQ_OUT_HALVES)])
+                                          (256, FUSED_IN_STEP), (256, TWO_Q_STAGES)])
 def test_head_split_lowers_for_cuda(head_dim, cfg):
   """The real lowering (the interpreter runs neither register operands nor the TMA rules), and
   the shared-memory check: two stages fit at head_dim 256 (dK/dV 226 KiB, dQ 218 KiB), and
@@ -245,8 +230,7 @@ def test_fused_head_split_needs_its_stage():
                                  pytest.param(FUSED, id="fused"),
                                  pytest.param(IN_STEP, id="in_step"),
                                  pytest.param(FUSED_IN_STEP, id="fused_in_step"),
-                                 pytest.param(TWO_Q_STAGES, id="two_q_stages"),
-                                 pytest.param(DQ_OUT_HALVES, id="dq_out_halves")])
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
 @pytest.mark.parametrize("case", [
     pytest.param(c.replace(dtype=cases.BF16, head_dim=d), id=f"{c.name}-d{d}")
     for d in (256, 128)
@@ -263,8 +247,7 @@ def test_gpu_head_split_matches_reference(case, cfg, seed):
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
                                  pytest.param(FUSED, id="fused"),
                                  pytest.param(FUSED_IN_STEP, id="fused_in_step"),
-                                 pytest.param(TWO_Q_STAGES, id="two_q_stages"),
-                                 pytest.param(DQ_OUT_HALVES, id="dq_out_halves")])
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
 @pytest.mark.parametrize("name", list(mods_tests._CASES))
 def test_gpu_head_split_with_modifiers(name, cfg, seed):
   with kernel_table(256, _both(cfg)):
@@ -275,8 +258,7 @@ def test_gpu_head_split_with_modifiers(name, cfg, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
                                  pytest.param(FUSED, id="fused"),
-                                 pytest.param(TWO_Q_STAGES, id="two_q_stages"),
-                                 pytest.param(DQ_OUT_HALVES, id="dq_out_halves")])
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
 def test_gpu_head_split_with_dropout(cfg, seed):
   with kernel_table(256, _both(cfg)):
     _poison_allocator(64 << 20)

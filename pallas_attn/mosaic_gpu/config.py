@@ -164,14 +164,6 @@ class KernelConfig:
   # next block's load from starting before both warpgroups end the step). FA3's head_dim 256
   # backward: q in two stages, dO in one. Needs stages >= 2.
   one_do_slot: bool = False
-  # one_do_slot: each dQ part goes out in two column halves, through two half-width float32
-  # tiles in turn (the one tile's bytes), so a half waits only for the read of the half that
-  # went out before the last one, not for the whole last part's. With one tile, that wait (a
-  # part's write until the last part's reduce-add has read the tile) is ~10% of the fused head
-  # split's stall samples and ~9% of its time (H200, Nsight Compute and
-  # `benchmarks/fused_dq_probe.py --head-dim 256`'s no_read_wait; benchmarks/NOTES.md
-  # session 25). Not yet measured on the GPU.
-  dq_out_halves: bool = False
   # Registers per thread of each compute warpgroup (setmaxnreg); the producer warpgroup keeps
   # what they leave of the launch's (`launch_registers`): of 3 * 168, 40 at 232 (tokamax's and
   # JAX's examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups); of 4 *
@@ -343,9 +335,6 @@ class KernelConfig:
       raise ValueError(f"one_do_slot is an option of head_split with fused_dq and stages >= 2 "
                        f"(a second q stage beside one dO slot), got head_split={self.head_split}, "
                        f"fused_dq={self.fused_dq}, stages={self.stages}")
-    if self.dq_out_halves and not self.one_do_slot:
-      raise ValueError("dq_out_halves is an option of one_do_slot (the head split's fused dQ "
-                       "through one float32 tile a warpgroup)")
     if self.head_split and self.fused_dq and self.dp_ahead:
       raise ValueError("head_split with fused_dq takes no dp_ahead (warpgroup 1's dQ part needs "
                        "the query block and head that its dp_ahead loop does not walk)")
@@ -428,8 +417,7 @@ def _mean_and_skew(tile_blocks) -> tuple[float | None, bool]:
 # head_dim 128 though it stops spilling, 0.97-0.99x at 256 (benchmarks/NOTES.md sessions 20, 21).
 UNFUSED_DQ = types.MappingProxyType(dict(
     fused_dq=False, co_issue_dq=False, dq_column_halves=False, dq_step_late=False,
-    one_do_slot=False, dq_out_halves=False, tile_descriptors_in_step=False,
-    separate_dq_max_blocks=0,
+    one_do_slot=False, tile_descriptors_in_step=False, separate_dq_max_blocks=0,
     separate_dq_max_blocks_skewed=0))
 
 

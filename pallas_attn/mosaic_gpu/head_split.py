@@ -149,16 +149,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   def reduce_dq(part, qi, g, parts, i):
     """dQ[qi block, query head g of the group, parts[i]] += part, through this warpgroup's
     shared-memory tile i (a reduce-add still reading is from the other tile, if any), or its
-    one tile (cfg.one_do_slot: once the last reduce-add from it has read it); with
-    cfg.dq_out_halves in two column halves through two half-width tiles in turn."""
-    tiles, width = dq_out_smem.shape[1], dq_out_smem.shape[-1]
-    pieces = parts[i].size // width
-    for h in range(pieces):
-      cols = pl.ds(parts[i].start + h * width, width)
-      dest = dq_dest.at[batch, pl.ds(qi * block_q, block_q), kv_head * groups + g, cols]
-      piece = part if pieces == 1 else part[:, h * width:(h + 1) * width]
-      common.reduce_add(piece, dq_out_smem.at[wg, (i * pieces + h) % tiles], dest,
-                        dq_partials, pending=tiles - 1)
+    one tile (cfg.one_do_slot: once the last reduce-add from it has read it)."""
+    dest = dq_dest.at[batch, pl.ds(qi * block_q, block_q), kv_head * groups + g, parts[i]]
+    tiles = dq_out_smem.shape[1]
+    common.reduce_add(part, dq_out_smem.at[wg, i % tiles], dest, dq_partials,
+                      pending=tiles - 1)
 
   def wait_filled(slot):
     plgpu.barrier_wait(q_full.at[slot])
@@ -438,11 +433,6 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
   meeting = plgpu.Barrier  # one warpgroup arrives, the other waits
   parts = _dq_parts(_half(0, head_dim))  # (fused_dq)
   do_stages = 1 if cfg.one_do_slot else cfg.stages
-  # (count, rows, columns) of a warpgroup's float32 dQ tiles: one a part, or with one_do_slot
-  # one for all, or with dq_out_halves two of half its width.
-  dq_tiles = (1 if cfg.one_do_slot else len(parts), cfg.block_q, parts[0].size)
-  if cfg.dq_out_halves:
-    dq_tiles = (2, cfg.block_q, parts[0].size // 2)
   return [
       tile(1, cfg.block_kv, head_dim),  # k, then dk out (a leading 1: `_one_tile`)
       tile(1, cfg.block_kv, head_dim),  # v, then dv out
@@ -462,7 +452,8 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
       plgpu.Barrier(num_arrivals=_WGS),  # both halves of dK and dV written
       # fused_dq: each warpgroup's parts of the dQ part, out by reduce-add (one_do_slot: all
       # through one tile)
-      *([common.f32_tile((_WGS, *dq_tiles), cfg.swizzle_f32)] if cfg.fused_dq else []),
+      *([common.f32_tile((_WGS, 1 if cfg.one_do_slot else len(parts), cfg.block_q,
+                          parts[0].size), cfg.swizzle_f32)] if cfg.fused_dq else []),
       # one_do_slot: dO's slot free (both warpgroups' dV wgmmas done)
       *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=1)] if cfg.one_do_slot else []),
   ]
