@@ -12,6 +12,8 @@ The `gpu` tests compile it on a Hopper GPU:
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -42,6 +44,8 @@ FUSED_IN_STEP = _K(64, 64, stages=1, head_split=True, fused_dq=True, compute_reg
 # ... with q in two stages beside one dO slot and one float32 dQ tile a warpgroup.
 TWO_Q_STAGES = _K(64, 64, head_split=True, fused_dq=True, one_do_slot=True,
                   compute_registers=240, tile_descriptors_in_step=True)
+# ... each warpgroup's last dQ part of a step sent under the next step's first wgmma.
+DEFERRED = dataclasses.replace(TWO_Q_STAGES, defer_last_dq_part=True)
 
 
 def _both(cfg):
@@ -72,16 +76,25 @@ _INTERPRETED = [
     (DP_AHEAD, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     (DP_AHEAD, cases.get_case("lengths_kv0_113x203").replace(head_dim=128)),
     (SWIZZLED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
-    # dQ fused in (the table's head_dim 256 layout, TWO_Q_STAGES): several query blocks per key
-    # tile both sides of the diagonal, a group of 4 query heads adding into one dQ each, key
-    # lengths and rows with no key; and with one stage.
+    # dQ fused in, each step's parts sent in the step (TWO_Q_STAGES): several query blocks per
+    # key tile both sides of the diagonal, a GQA group with key lengths and rows with no key;
+    # and with one stage.
     (TWO_Q_STAGES, _CAUSAL_203.replace(head_dim=256)),
-    (TWO_Q_STAGES, cases.get_case("mqa_113x203").replace(head_dim=256)),
     (TWO_Q_STAGES, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
-    (TWO_Q_STAGES, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
     (FUSED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     # The separate kernels with the tiles indexed through the optimization barrier.
     (IN_STEP, _CAUSAL_203.replace(head_dim=256)),
+    # The table's head_dim 256 layout (DEFERRED: the last dQ part of a step sent in the next):
+    # several steps per key tile both sides of the diagonal, a group of 4 query heads adding
+    # into one dQ each (the carried part's head changes between steps), key lengths, rows with
+    # no key and CTAs with no step; at head_dim 128 (one part a step, the one deferred) and
+    # beside two dQ tiles a warpgroup (one stage).
+    (DEFERRED, _CAUSAL_203.replace(head_dim=256)),
+    (DEFERRED, cases.get_case("mqa_113x203").replace(head_dim=256)),
+    (DEFERRED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    (DEFERRED, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
+    (dataclasses.replace(FUSED, defer_last_dq_part=True),
+     cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
 ]
 
 
@@ -91,7 +104,8 @@ _INTERPRETED = [
                      f"{'-swizzled' if cfg.swizzle_f32 else ''}"
                      f"{'-fused' if cfg.fused_dq else ''}"
                      f"{'-in_step' if cfg.tile_descriptors_in_step else ''}"
-                     f"{'-one_do_slot' if cfg.one_do_slot else ''}-{c.name}-d{c.head_dim}"))
+                     f"{'-one_do_slot' if cfg.one_do_slot else ''}"
+                     f"{'-deferred' if cfg.defer_last_dq_part else ''}-{c.name}-d{c.head_dim}"))
     for cfg, c in _INTERPRETED])
 def test_interpreted_head_split_matches_reference(cfg, case, seed):
   with kernel_table(case.head_dim, _both(cfg)):
@@ -110,8 +124,8 @@ def test_interpreted_head_split_dq_reversed_beside_plain_dkv(seed):
 @pytest.mark.parametrize("name,head_dim,cfg", [("all_gqa_lengths_113x203", 256, HEAD_SPLIT),
                                                ("segments_causal_150x150", 128, HEAD_SPLIT),
                                                ("segments_causal_150x150", 128, DP_AHEAD),
-                                               ("all_gqa_lengths_113x203", 256, TWO_Q_STAGES),
-                                               ("segments_causal_150x150", 256, TWO_Q_STAGES)])
+                                               ("all_gqa_lengths_113x203", 256, DEFERRED),
+                                               ("segments_causal_150x150", 256, DEFERRED)])
 def test_interpreted_head_split_with_modifiers(name, head_dim, cfg, seed):
   """Soft-cap (dS times its derivative), ALiBi per query head of the group, segment ids (the
   block table with one list per key tile), lengths."""
@@ -172,6 +186,12 @@ def test_head_split_config_is_checked():
     _K(64, 64, stages=1, head_split=True, dp_ahead=True)
   with pytest.raises(ValueError, match="dq_in_flight"):
     _K(64, 64, head_split=True, dq_in_flight=True)
+  with pytest.raises(ValueError, match="defer_last_dq_part"):
+    _K(64, 64, head_split=True, defer_last_dq_part=True)
+  # Where the separate dQ kernel runs, the option goes with the fused dQ (`UNFUSED_DQ`).
+  unfused = config_lib.backward_configs(
+      HEAD_SPLIT, dataclasses.replace(DEFERRED, separate_dq_max_blocks=4), [1])[1]
+  assert not unfused.fused_dq and not unfused.defer_last_dq_part
   q = jnp.zeros((1, 64, 1, 64), jnp.bfloat16)
   with pytest.raises(ValueError, match="multiple of 128"):
     stats = jnp.zeros((1, 1, 64), jnp.float32)
@@ -185,7 +205,8 @@ def test_head_split_config_is_checked():
 @pytest.mark.parametrize("head_dim,cfg", [(256, HEAD_SPLIT), (128, HEAD_SPLIT),
                                           (256, HEAD_SPLIT_1STAGE), (256, DP_AHEAD),
                                           (256, FUSED), (128, FUSED), (256, IN_STEP),
-                                          (256, FUSED_IN_STEP), (256, TWO_Q_STAGES)])
+                                          (256, FUSED_IN_STEP), (256, TWO_Q_STAGES),
+                                          (256, DEFERRED), (128, DEFERRED)])
 def test_head_split_lowers_for_cuda(head_dim, cfg):
   """The real lowering (the interpreter runs neither register operands nor the TMA rules), and
   the shared-memory check: two stages fit at head_dim 256 (dK/dV 226 KiB, dQ 218 KiB), and
@@ -230,7 +251,8 @@ def test_fused_head_split_needs_its_stage():
                                  pytest.param(FUSED, id="fused"),
                                  pytest.param(IN_STEP, id="in_step"),
                                  pytest.param(FUSED_IN_STEP, id="fused_in_step"),
-                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages"),
+                                 pytest.param(DEFERRED, id="deferred")])
 @pytest.mark.parametrize("case", [
     pytest.param(c.replace(dtype=cases.BF16, head_dim=d), id=f"{c.name}-d{d}")
     for d in (256, 128)
@@ -247,7 +269,8 @@ def test_gpu_head_split_matches_reference(case, cfg, seed):
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
                                  pytest.param(FUSED, id="fused"),
                                  pytest.param(FUSED_IN_STEP, id="fused_in_step"),
-                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages"),
+                                 pytest.param(DEFERRED, id="deferred")])
 @pytest.mark.parametrize("name", list(mods_tests._CASES))
 def test_gpu_head_split_with_modifiers(name, cfg, seed):
   with kernel_table(256, _both(cfg)):
@@ -258,7 +281,8 @@ def test_gpu_head_split_with_modifiers(name, cfg, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
                                  pytest.param(FUSED, id="fused"),
-                                 pytest.param(TWO_Q_STAGES, id="two_q_stages")])
+                                 pytest.param(TWO_Q_STAGES, id="two_q_stages"),
+                                 pytest.param(DEFERRED, id="deferred")])
 def test_gpu_head_split_with_dropout(cfg, seed):
   with kernel_table(256, _both(cfg)):
     _poison_allocator(64 << 20)

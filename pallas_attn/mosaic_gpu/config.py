@@ -164,6 +164,13 @@ class KernelConfig:
   # next block's load from starting before both warpgroups end the step). FA3's head_dim 256
   # backward: q in two stages, dO in one. Needs stages >= 2.
   one_do_slot: bool = False
+  # head_split with fused_dq: each warpgroup's last dQ part of a step goes to its float32 tile
+  # and out while the next step's first wgmma (S^T, dP^T) runs, carried in registers (32 a
+  # thread) until then. With one tile a warpgroup (one_do_slot), a step's second part otherwise
+  # waits for the first part's reduce-add to have read the tile, behind one [64, 64] dQ wgmma:
+  # ~10% of the fused kernel's stall samples, ~9% of its time (H200, benchmarks/NOTES.md
+  # session 25); here that wait has the next step's first wgmma to hide in.
+  defer_last_dq_part: bool = False
   # Registers per thread of each compute warpgroup (setmaxnreg); the producer warpgroup keeps
   # what they leave of the launch's (`launch_registers`): of 3 * 168, 40 at 232 (tokamax's and
   # JAX's examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups); of 4 *
@@ -335,6 +342,9 @@ class KernelConfig:
       raise ValueError(f"one_do_slot is an option of head_split with fused_dq and stages >= 2 "
                        f"(a second q stage beside one dO slot), got head_split={self.head_split}, "
                        f"fused_dq={self.fused_dq}, stages={self.stages}")
+    if self.defer_last_dq_part and not (self.head_split and self.fused_dq):
+      raise ValueError(f"defer_last_dq_part is an option of head_split with fused_dq, got "
+                       f"head_split={self.head_split}, fused_dq={self.fused_dq}")
     if self.head_split and self.fused_dq and self.dp_ahead:
       raise ValueError("head_split with fused_dq takes no dp_ahead (warpgroup 1's dQ part needs "
                        "the query block and head that its dp_ahead loop does not walk)")
@@ -417,8 +427,8 @@ def _mean_and_skew(tile_blocks) -> tuple[float | None, bool]:
 # head_dim 128 though it stops spilling, 0.97-0.99x at 256 (benchmarks/NOTES.md sessions 20, 21).
 UNFUSED_DQ = types.MappingProxyType(dict(
     fused_dq=False, co_issue_dq=False, dq_column_halves=False, dq_step_late=False,
-    one_do_slot=False, tile_descriptors_in_step=False, separate_dq_max_blocks=0,
-    separate_dq_max_blocks_skewed=0))
+    one_do_slot=False, defer_last_dq_part=False, tile_descriptors_in_step=False,
+    separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0))
 
 
 def backward_configs(dq_cfg: KernelConfig, dkv_cfg: KernelConfig,
@@ -524,10 +534,12 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # run; benchmarks/NOTES.md session 8), with dQ fused in (FA3's head_dim 256 backward: no dQ
     # kernel), q in two stages beside one dO slot, the tiles' descriptors built in the step, 240
     # registers (H200, fwd+bwd 1.08-1.14x the separate head-split kernels at N 4096 / 16384,
-    # causal and not; session 21). Where the key tiles visit at most 8 query blocks on average
-    # (N 512) the separate kernels, as at head_dim 128 (`backward_configs`).
+    # causal and not; session 21), each step's last dQ part sent under the next step's first
+    # wgmma (H200, fwd+bwd 1.03-1.06x from N 2048, 1.00-1.01x below; session 26). Where the key
+    # tiles visit at most 8 query blocks on average (N 512) the separate kernels, as at head_dim
+    # 128 (`backward_configs`).
     (256, "dkv"): KernelConfig(block_q=64, block_kv=64, head_split=True, fused_dq=True,
-                               one_do_slot=True, compute_registers=240,
+                               one_do_slot=True, defer_last_dq_part=True, compute_registers=240,
                                tile_descriptors_in_step=True, separate_dq_max_blocks=8,
                                separate_dq_max_blocks_skewed=8),
 }

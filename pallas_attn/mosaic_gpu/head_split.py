@@ -20,7 +20,10 @@ rows and split the work of each query block by kind:
   one. With `one_do_slot` (the table's from N 1024) q in two stages beside one dO slot, which
   both warpgroups free after their dV wgmma, so the next block's rows load under the step
   (one stage of both, all that fits beside two float32 dQ tiles a warpgroup, ran 0.71-0.83x the
-  separate kernels; this 1.08-1.14x: benchmarks/NOTES.md session 21).
+  separate kernels; this 1.08-1.14x: benchmarks/NOTES.md session 21). With
+  `defer_last_dq_part` each warpgroup's last part of a step goes out under the next step's first
+  wgmma, where its write's wait for the tile (the part before it still being read out) is
+  hidden (1.03-1.06x; session 26).
 
 Four matmuls per tile pair, two per warpgroup, once (the two launches of `split_dkv` make five,
 S^T twice), with [64, 128] float32 accumulators: 64 + 64 registers, as at head_dim 128.
@@ -125,13 +128,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     transposed), in parts of [block_q, head_dim / 4] where those are whole 64-column tiles
     (`_dq_parts`; a whole [64, 128] float32 half spilled as much, benchmarks/NOTES.md session
     16): the first issued behind dK's wgmma and awaited with it, each reduce-added while the
-    next runs. Returns (dK, a thunk that reduce-adds the last part: nothing without fused_dq),
-    for warpgroup 1 to call once it has released the dS^T tile."""
+    next runs. Returns (dK, the last part, not yet sent: None without fused_dq), for warpgroup
+    1 to send once it has released the dS^T tile (`send_last_part`)."""
     accumulating = (dk, dst, q_smem.at[slot, :, half])
     if dq_acc_ref is None:
       if dst_in_smem:
-        return common.matmul_acc_smem(*accumulating, stage is not None), lambda: None
-      return common.matmul_acc(*accumulating, stage), lambda: None
+        return common.matmul_acc_smem(*accumulating, stage is not None), None
+      return common.matmul_acc(*accumulating, stage), None
     parts = _dq_parts(half)
     dq_pairs = lambda cols: [(dst_smem.T, k_smem.at[_one_tile(cfg), :, cols])]
     dq_shape = (block_q, parts[0].size)
@@ -144,7 +147,36 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     for i in range(1, len(parts)):
       reduce_dq(part, qi, g, parts, i - 1)
       part = common.matmul_sum(dq_pairs(parts[i]), dq_shape)
-    return dk, functools.partial(reduce_dq, part, qi, g, parts, len(parts) - 1)
+    return dk, part
+
+  def send_last_part(part, qi, g, half):
+    """The step's last dQ part (from `dk_and_dq`; None: no fused dQ) reduce-added now, or with
+    cfg.defer_last_dq_part carried to the next step, whose first wgmma covers its write
+    (`deferred_part_sender`): () or ((part, qi, g),), the walk's extra carry."""
+    if part is None:
+      return ()
+    if cfg.defer_last_dq_part:
+      return ((part, qi, g),)
+    parts = _dq_parts(half)
+    reduce_dq(part, qi, g, parts, len(parts) - 1)
+    return ()
+
+  def deferred_part_sender(deferred, count, half):
+    """With cfg.defer_last_dq_part, a thunk that reduce-adds the last step's carried dQ part
+    (`send_last_part`; nothing before the first step), for the step's first matmul to run while
+    its wgmma is on the tensor cores: the write waits for the read of the part sent before it
+    (the one tile's) under that wgmma, not behind one [block_q, 64] dQ part's. Else None."""
+    if not deferred:
+      return None
+    (part, qi, g), = deferred
+    parts = _dq_parts(half)
+
+    def send():
+      @pl.when(count > 0)
+      def _():
+        reduce_dq(part, qi, g, parts, len(parts) - 1)
+
+    return send
 
   def reduce_dq(part, qi, g, parts, i):
     """dQ[qi block, query head g of the group, parts[i]] += part, through this warpgroup's
@@ -161,18 +193,24 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     plgpu.barrier_wait(lse_full.at[slot])
     plgpu.barrier_wait(delta_full.at[slot])
 
-  def walk(step):
-    """Run `step(slot, qi, g, (dk, dv), count, masked=...)` over every visible query block qi
-    of every query head g of the group, in ring order (both warpgroups walk the same blocks).
-    Returns (dk, dv, steps taken)."""
+  def walk(step, half):
+    """Run `step(slot, qi, g, (dk, dv, *deferred), count, masked=...)` over every visible query
+    block qi of every query head g of the group, in ring order (both warpgroups walk the same
+    blocks); `deferred` is cfg.defer_last_dq_part's carry (`send_last_part`). Returns (dk, dv,
+    *deferred, steps taken)."""
     zeros = plgpu.layout_cast(jnp.zeros(acc_shape, jnp.float32), common.WGMMA)
+    accs = (zeros, zeros)
+    if dq_acc_ref is not None and cfg.defer_last_dq_part:
+      part_shape = (block_q, _dq_parts(half)[-1].size)
+      accs += ((plgpu.layout_cast(jnp.zeros(part_shape, jnp.float32), common.WGMMA),
+                jnp.int32(0), jnp.int32(0)),)
 
     def release(slot):
       # (With one_do_slot a skipped table entry would leave dO's slot unfreed: the head split's
       # tables make every entry a step, `_walk_blocks`.)
       plgpu.barrier_arrive(slot_free.at[slot])
 
-    return _walk_blocks(step, (zeros, zeros), groups=groups, per_head=per_head, stages=stages,
+    return _walk_blocks(step, accs, groups=groups, per_head=per_head, stages=stages,
                         cta_list=cta_list, ranges=ranges, wait_filled=wait_filled,
                         release=release)
 
@@ -197,12 +235,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                                             backward=True)
 
     def step(slot, qi, g, acc, count, *, masked):
-      dk, dv = acc
+      dk, dv, *deferred = acc
       scores = key_scores.for_head(kv_head * groups + g) if mods.per_head else key_scores
       cols = scores.columns(qi, block_q, masked=masked)
       wait_filled(slot)
       st = common.matmul(k_smem.at[_one_tile(cfg)], q_smem.at[slot].T,  # S^T
-                         (block_kv, block_q))
+                         (block_kv, block_q), deferred_part_sender(deferred, count, half))
       st, chain = scores(st, cols, masked=masked)
       lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
       pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
@@ -226,11 +264,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dst_smem[...] = dst
       plgpu.commit_smem()  # for warpgroup 1's dK wgmma (and both dQ wgmmas)
       plgpu.barrier_arrive(ds_full)
-      dk, reduce_last_dq = dk_and_dq(dk, dst, slot, qi, g, half, dst_in_smem=False)
-      reduce_last_dq()
-      return dk, dv
+      dk, last_part = dk_and_dq(dk, dst, slot, qi, g, half, dst_in_smem=False)
+      return dk, dv, *send_last_part(last_part, qi, g, half)
 
-    dk, dv, count = walk(step)
+    dk, dv, *deferred, count = walk(step, half)
+    _send_after_walk(deferred_part_sender(deferred, count, half))
     _wait_unless_first(count, ds_free)  # warpgroup 1's last release (every phase has a waiter)
 
     _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (k_smem.at[0], dk_ref), rows, half,
@@ -244,10 +282,10 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
     def step(slot, qi, g, acc, count, *, masked):
       del masked  # (warpgroup 0 applies the mask and the modifiers)
-      dk, dv = acc
+      dk, dv, *deferred = acc
       wait_filled(slot)
-      dpt = common.matmul(v_smem.at[_one_tile(cfg)], do_smem.at[do_slot(slot)].T,
-                          (block_kv, block_q))  # dP^T
+      dpt = common.matmul(v_smem.at[_one_tile(cfg)], do_smem.at[do_slot(slot)].T,  # dP^T
+                          (block_kv, block_q), deferred_part_sender(deferred, count, half))
 
       _wait_unless_first(count, dpt_free)  # warpgroup 0 has read the last dP^T
       dpt_smem[...] = dpt
@@ -257,10 +295,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                                   stage is not None)
       release_do(slot)
       plgpu.barrier_wait(ds_full)
-      dk, reduce_last_dq = dk_and_dq(dk, dst_smem, slot, qi, g, half, dst_in_smem=True)
+      dk, last_part = dk_and_dq(dk, dst_smem, slot, qi, g, half, dst_in_smem=True)
       plgpu.barrier_arrive(ds_free)
-      reduce_last_dq()
-      return dk, dv
+      return dk, dv, *send_last_part(last_part, qi, g, half)
 
     def dpt_of(slot):
       plgpu.barrier_wait(do_full.at[slot])
@@ -288,7 +325,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dk, dv, count = _walk_dp_ahead(groups * per_head, stages, dpt_of, (block_kv, block_q),
                                      step_ahead, (zeros, zeros))
     else:
-      dk, dv, count = walk(step)
+      dk, dv, *deferred, count = walk(step, half)
+      _send_after_walk(deferred_part_sender(deferred, count, half))
     _wait_unless_first(count, dpt_free)  # warpgroup 0's last read of dP^T
 
     _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (v_smem.at[0], dv_ref), rows, half,
@@ -354,6 +392,12 @@ def _walk_dp_ahead(total, stages: int, dp_of, dp_shape, step, accs):
 
   accs, _ = lax.fori_loop(0, total, body, (accs, dp_if(total > 0, 0)))
   return (*accs, total)
+
+
+def _send_after_walk(send):
+  """The walk's last deferred dQ part out (`deferred_part_sender`'s thunk; None: nothing)."""
+  if send is not None:
+    send()
 
 
 def _wait_unless_first(count, barrier):
