@@ -149,34 +149,34 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       part = common.matmul_sum(dq_pairs(parts[i]), dq_shape)
     return dk, part
 
+  def reduce_last_part(part, qi, g, half):
+    parts = _dq_parts(half)
+    reduce_dq(part, qi, g, parts, len(parts) - 1)
+
   def send_last_part(part, qi, g, half):
     """The step's last dQ part (from `dk_and_dq`; None: no fused dQ) reduce-added now, or with
     cfg.defer_last_dq_part carried to the next step, whose first wgmma covers its write
-    (`deferred_part_sender`): () or ((part, qi, g),), the walk's extra carry."""
+    (`send_deferred`): () or ((part, qi, g),), the walk's extra carry."""
     if part is None:
       return ()
     if cfg.defer_last_dq_part:
       return ((part, qi, g),)
-    parts = _dq_parts(half)
-    reduce_dq(part, qi, g, parts, len(parts) - 1)
+    reduce_last_part(part, qi, g, half)
     return ()
 
-  def deferred_part_sender(deferred, count, half):
-    """With cfg.defer_last_dq_part, a thunk that reduce-adds the last step's carried dQ part
-    (`send_last_part`; nothing before the first step), for the step's first matmul to run while
-    its wgmma is on the tensor cores: the write waits for the read of the part sent before it
-    (the one tile's) under that wgmma, not behind one [block_q, 64] dQ part's. Else None."""
-    if not deferred:
-      return None
-    (part, qi, g), = deferred
-    parts = _dq_parts(half)
-
-    def send():
+  def send_deferred(deferred, count, half):
+    """Reduce-add the last step's carried dQ part (`send_last_part`; nothing before the first
+    step, or with nothing carried). Run as the step's first matmul's `while_running`
+    (`deferred_sender`), its write waits for the read of the part sent before it (the one
+    tile's) under that wgmma, not behind one [block_q, 64] dQ part's."""
+    for part, qi, g in deferred:
       @pl.when(count > 0)
       def _():
-        reduce_dq(part, qi, g, parts, len(parts) - 1)
+        reduce_last_part(part, qi, g, half)
 
-    return send
+  def deferred_sender(deferred, count, half):
+    """`send_deferred` as a thunk for `common.matmul`'s while_running (None: nothing carried)."""
+    return functools.partial(send_deferred, deferred, count, half) if deferred else None
 
   def reduce_dq(part, qi, g, parts, i):
     """dQ[qi block, query head g of the group, parts[i]] += part, through this warpgroup's
@@ -240,7 +240,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       cols = scores.columns(qi, block_q, masked=masked)
       wait_filled(slot)
       st = common.matmul(k_smem.at[_one_tile(cfg)], q_smem.at[slot].T,  # S^T
-                         (block_kv, block_q), deferred_part_sender(deferred, count, half))
+                         (block_kv, block_q), deferred_sender(deferred, count, half))
       st, chain = scores(st, cols, masked=masked)
       lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
       pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
@@ -268,7 +268,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       return dk, dv, *send_last_part(last_part, qi, g, half)
 
     dk, dv, *deferred, count = walk(step, half)
-    _send_after_walk(deferred_part_sender(deferred, count, half))
+    send_deferred(deferred, count, half)
     _wait_unless_first(count, ds_free)  # warpgroup 1's last release (every phase has a waiter)
 
     _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (k_smem.at[0], dk_ref), rows, half,
@@ -285,7 +285,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dk, dv, *deferred = acc
       wait_filled(slot)
       dpt = common.matmul(v_smem.at[_one_tile(cfg)], do_smem.at[do_slot(slot)].T,  # dP^T
-                          (block_kv, block_q), deferred_part_sender(deferred, count, half))
+                          (block_kv, block_q), deferred_sender(deferred, count, half))
 
       _wait_unless_first(count, dpt_free)  # warpgroup 0 has read the last dP^T
       dpt_smem[...] = dpt
@@ -326,7 +326,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                                      step_ahead, (zeros, zeros))
     else:
       dk, dv, *deferred, count = walk(step, half)
-      _send_after_walk(deferred_part_sender(deferred, count, half))
+      send_deferred(deferred, count, half)
     _wait_unless_first(count, dpt_free)  # warpgroup 0's last read of dP^T
 
     _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (v_smem.at[0], dv_ref), rows, half,
@@ -392,12 +392,6 @@ def _walk_dp_ahead(total, stages: int, dp_of, dp_shape, step, accs):
 
   accs, _ = lax.fori_loop(0, total, body, (accs, dp_if(total > 0, 0)))
   return (*accs, total)
-
-
-def _send_after_walk(send):
-  """The walk's last deferred dQ part out (`deferred_part_sender`'s thunk; None: nothing)."""
-  if send is not None:
-    send()
 
 
 def _wait_unless_first(count, barrier):
