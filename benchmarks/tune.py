@@ -350,6 +350,10 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # dQ part summed with the peer's through distributed shared memory before one reduce-add
     # (half the bytes into L2), instead of the deferred last part.
     "dq_pair_sum": {"dkv": dict(defer_last_dq_part=False, swizzle_f32=True, dq_pair_sum=True)},
+    "dq_pair_sum_deferred": {"dkv": dict(swizzle_f32=True, dq_pair_sum=True)},
+    "dq_pair_no_exchange": {"dkv": dict(defer_last_dq_part=False, swizzle_f32=True,
+                                        dq_pair_sum=True, dq_pair_exchange=False)},
+    "unpaired_no_defer": {"dkv": dict(defer_last_dq_part=False, swizzle_f32=True)},
     # (Session 23 tried the overlapped forward's P carried in float32 and its P V wait pinned
     # behind the step's exp2s: 0.87-0.99x, removed; commit b03a50f has them.)
 }

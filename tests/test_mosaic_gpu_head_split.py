@@ -49,6 +49,8 @@ DEFERRED = dataclasses.replace(TWO_Q_STAGES, defer_last_dq_part=True)
 # ... CTAs in clusters of two neighbouring key tiles, each dQ part summed with the peer's before
 # one reduce-add (interpreted: the pairs walk and meet, each CTA reduce-adding its own parts).
 PAIRED = dataclasses.replace(TWO_Q_STAGES, swizzle_f32=True, dq_pair_sum=True)
+# ... the own part and the peer's summed at the next step's first wgmma.
+PAIRED_DEFERRED = dataclasses.replace(PAIRED, defer_last_dq_part=True)
 
 
 def _both(cfg):
@@ -107,6 +109,8 @@ _INTERPRETED = [
     (PAIRED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
     (PAIRED, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
     (PAIRED, cases.get_case("window_l32_r8_203x113").replace(head_dim=256)),
+    (PAIRED_DEFERRED, _CAUSAL_203.replace(head_dim=256)),
+    (PAIRED_DEFERRED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
 ]
 
 
@@ -203,7 +207,7 @@ def test_head_split_config_is_checked():
     _K(64, 64, head_split=True, dq_in_flight=True)
   with pytest.raises(ValueError, match="defer_last_dq_part"):
     _K(64, 64, head_split=True, defer_last_dq_part=True)
-  for needs in ("swizzle_f32", "one_do_slot", "defer_last_dq_part"):
+  for needs in ("swizzle_f32", "one_do_slot"):
     with pytest.raises(ValueError, match="dq_pair_sum"):
       dataclasses.replace(PAIRED, **{needs: not getattr(PAIRED, needs)})
   # Where the separate dQ kernel runs, the option goes with the fused dQ (`UNFUSED_DQ`).
@@ -289,7 +293,8 @@ def test_fused_head_split_needs_its_stage():
                                  pytest.param(FUSED_IN_STEP, id="fused_in_step"),
                                  pytest.param(TWO_Q_STAGES, id="two_q_stages"),
                                  pytest.param(DEFERRED, id="deferred"),
-                                 pytest.param(PAIRED, id="paired")])
+                                 pytest.param(PAIRED, id="paired"),
+                                 pytest.param(PAIRED_DEFERRED, id="paired_deferred")])
 @pytest.mark.parametrize("case", [
     pytest.param(c.replace(dtype=cases.BF16, head_dim=d), id=f"{c.name}-d{d}")
     for d in (256, 128)
@@ -308,7 +313,8 @@ def test_gpu_head_split_matches_reference(case, cfg, seed):
                                  pytest.param(FUSED_IN_STEP, id="fused_in_step"),
                                  pytest.param(TWO_Q_STAGES, id="two_q_stages"),
                                  pytest.param(DEFERRED, id="deferred"),
-                                 pytest.param(PAIRED, id="paired")])
+                                 pytest.param(PAIRED, id="paired"),
+                                 pytest.param(PAIRED_DEFERRED, id="paired_deferred")])
 @pytest.mark.parametrize("name", list(mods_tests._CASES))
 def test_gpu_head_split_with_modifiers(name, cfg, seed):
   with kernel_table(256, _both(cfg)):
@@ -321,7 +327,8 @@ def test_gpu_head_split_with_modifiers(name, cfg, seed):
                                  pytest.param(FUSED, id="fused"),
                                  pytest.param(TWO_Q_STAGES, id="two_q_stages"),
                                  pytest.param(DEFERRED, id="deferred"),
-                                 pytest.param(PAIRED, id="paired")])
+                                 pytest.param(PAIRED, id="paired"),
+                                 pytest.param(PAIRED_DEFERRED, id="paired_deferred")])
 def test_gpu_head_split_with_dropout(cfg, seed):
   with kernel_table(256, _both(cfg)):
     _poison_allocator(64 << 20)

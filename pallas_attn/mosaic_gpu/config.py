@@ -182,6 +182,8 @@ class KernelConfig:
   # table, runs unpaired. Needs swizzle_f32 (the remote store writes a swizzled tile); not with
   # defer_last_dq_part.
   dq_pair_sum: bool = False
+  # (Experiment: the pairs walk and meet, each CTA reduce-adding its own parts: no exchange.)
+  dq_pair_exchange: bool = True
   # Registers per thread of each compute warpgroup (setmaxnreg); the producer warpgroup keeps
   # what they leave of the launch's (`launch_registers`): of 3 * 168, 40 at 232 (tokamax's and
   # JAX's examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups); of 4 *
@@ -357,12 +359,11 @@ class KernelConfig:
       raise ValueError(f"defer_last_dq_part is an option of head_split with fused_dq, got "
                        f"head_split={self.head_split}, fused_dq={self.fused_dq}")
     if self.dq_pair_sum and not (self.head_split and self.fused_dq and self.one_do_slot
-                                 and self.swizzle_f32 and not self.defer_last_dq_part):
+                                 and self.swizzle_f32):
       raise ValueError(f"dq_pair_sum is an option of head_split with fused_dq, one_do_slot and "
-                       f"swizzle_f32, without defer_last_dq_part, got head_split="
-                       f"{self.head_split}, fused_dq={self.fused_dq}, one_do_slot="
-                       f"{self.one_do_slot}, swizzle_f32={self.swizzle_f32}, "
-                       f"defer_last_dq_part={self.defer_last_dq_part}")
+                       f"swizzle_f32, got head_split={self.head_split}, fused_dq="
+                       f"{self.fused_dq}, one_do_slot={self.one_do_slot}, swizzle_f32="
+                       f"{self.swizzle_f32}")
     if self.head_split and self.fused_dq and self.dp_ahead:
       raise ValueError("head_split with fused_dq takes no dp_ahead (warpgroup 1's dQ part needs "
                        "the query block and head that its dp_ahead loop does not walk)")

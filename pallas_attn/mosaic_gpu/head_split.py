@@ -196,8 +196,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
   def under_first_wgmma(deferred, count, half):
     """What runs under a step's first wgmma (`common.matmul`'s while_running; None: nothing):
-    `send_deferred`, or paired `free_tile`."""
-    if paired:
+    `send_deferred`, or paired without it `free_tile`."""
+    if paired and not cfg.defer_last_dq_part:
       return functools.partial(free_tile, count)
     return functools.partial(send_deferred, deferred, count, half) if deferred else None
 
@@ -220,12 +220,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
       plgpu.barrier_arrive(tiles_free.at[wg])
 
+  def free_tile_after_deferred(count):
+    """Paired with cfg.defer_last_dq_part, mid-step (after dV's wgmma): the deferred part's
+    reduce-add went out under the step's first wgmma; `free_tile` once it has read the tile."""
+    if paired and cfg.defer_last_dq_part:
+      free_tile(count)
+
   def send_to_peer(part, qi, g, cols, count):
     """Paired: the step's dQ part that the peer CTA owns into the peer's tile, once both
     tiles are free (`free_tile`), completing on the peer's `peer_part_in`. Interpreted (no
     stores into another CTA's shared memory there) reduce-added here instead."""
     _wait_unless_first(count, tiles_free.at[wg])
-    if dq_partials:
+    if dq_partials or not cfg.dq_pair_exchange:
       reduce_dq(part, qi, g, cols, 0)
       return
     plgpu.async_store_smem(part, dq_out_smem.at[wg, 0], peer_part_in.at[wg],
@@ -234,7 +240,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   def reduce_with_peer_part(part, qi, g, cols):
     """Paired: dQ[qi block, head g, cols] += part + the peer's part for it (in this
     warpgroup's tile once `peer_part_in` completes), one reduce-add for the two key tiles."""
-    if dq_partials:
+    if dq_partials or not cfg.dq_pair_exchange:
       reduce_dq(part, qi, g, cols, 0)
       return
     tile = dq_out_smem.at[wg, 0]
@@ -310,6 +316,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       # dV before dP^T is read: P^T's low-precision copy is dead before dP^T's registers are live.
       dv = common.matmul_acc(dv, pt_dropped, do_smem.at[do_slot(slot), :, half], stage)
       release_do(slot)
+      free_tile_after_deferred(count)
       plgpu.barrier_wait(dpt_full)
       dpt = plgpu.load(dpt_smem, (), layout=common.WGMMA)
       plgpu.barrier_arrive(dpt_free)
@@ -350,6 +357,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dv = common.matmul_acc_smem(dv, pt_smem, do_smem.at[do_slot(slot), :, half],
                                   stage is not None)
       release_do(slot)
+      free_tile_after_deferred(count)
       plgpu.barrier_wait(ds_full)
       dk, last_part = dk_and_dq(dk, dst_smem, slot, qi, g, half, count, dst_in_smem=True)
       plgpu.barrier_arrive(ds_free)
