@@ -346,14 +346,6 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # 0.92-0.94x, commits bfaa3ca and c384c9d; session 26 each part out in two column halves
     # through two half-width tiles, 0.93-1.00x, commit 57d356e.)
     "defer_last_dq_part": {"dkv": dict(defer_last_dq_part=True)},
-    # Session 27. The fused head split's CTAs in clusters of two neighbouring key tiles, each
-    # dQ part summed with the peer's through distributed shared memory before one reduce-add
-    # (half the bytes into L2), instead of the deferred last part.
-    "dq_pair_sum": {"dkv": dict(defer_last_dq_part=False, swizzle_f32=True, dq_pair_sum=True)},
-    "dq_pair_sum_deferred": {"dkv": dict(swizzle_f32=True, dq_pair_sum=True)},
-    "dq_pair_no_exchange": {"dkv": dict(defer_last_dq_part=False, swizzle_f32=True,
-                                        dq_pair_sum=True, dq_pair_exchange=False)},
-    "unpaired_no_defer": {"dkv": dict(defer_last_dq_part=False, swizzle_f32=True)},
     # (Session 23 tried the overlapped forward's P carried in float32 and its P V wait pinned
     # behind the step's exp2s: 0.87-0.99x, removed; commit b03a50f has them.)
 }
@@ -398,10 +390,9 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   if plain_dq_options and config_lib.kernel_config(shape.head_dim, "dq").head_split:
     return (f"does not apply: {plain_dq_options[0]} is the plain dQ kernel's, not head_dim "
             f"{shape.head_dim}'s")
-  for option in ("defer_last_dq_part", "dq_pair_sum"):
-    if dkv_changes.get(option) and not (table_dkv.head_split and table_dkv.fused_dq):
-      return (f"does not apply: {option} is an option of the fused head split (head_dim 256), "
-              f"not head_dim {shape.head_dim}'s")
+  if dkv_changes.get("defer_last_dq_part") and not (table_dkv.head_split and table_dkv.fused_dq):
+    return (f"does not apply: defer_last_dq_part is an option of the fused head split (head_dim "
+            f"256), not head_dim {shape.head_dim}'s")
   if dkv_changes.get("split_dkv") and shape.head_dim != 256:
     return f"does not apply: dK and dV in two launches is head_dim 256's, not {shape.head_dim}'s"
   if any(c.get("head_split") for c in VARIANTS[name].values()) and shape.head_dim % 128:

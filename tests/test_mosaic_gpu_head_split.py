@@ -46,11 +46,6 @@ TWO_Q_STAGES = _K(64, 64, head_split=True, fused_dq=True, one_do_slot=True,
                   compute_registers=240, tile_descriptors_in_step=True)
 # ... each warpgroup's last dQ part of a step sent under the next step's first wgmma.
 DEFERRED = dataclasses.replace(TWO_Q_STAGES, defer_last_dq_part=True)
-# ... CTAs in clusters of two neighbouring key tiles, each dQ part summed with the peer's before
-# one reduce-add (interpreted: the pairs walk and meet, each CTA reduce-adding its own parts).
-PAIRED = dataclasses.replace(TWO_Q_STAGES, swizzle_f32=True, dq_pair_sum=True)
-# ... the own part and the peer's summed at the next step's first wgmma.
-PAIRED_DEFERRED = dataclasses.replace(PAIRED, defer_last_dq_part=True)
 
 
 def _both(cfg):
@@ -100,17 +95,6 @@ _INTERPRETED = [
     (DEFERRED, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
     (dataclasses.replace(FUSED, defer_last_dq_part=True),
      cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
-    # CTA pairs: the two tiles' causal ranges one block apart (the first tile's diagonal block a
-    # masked step of zeros for the second), a group of 4 query heads, a pair with one tile past
-    # the key length and one straddling it, rows with no key, pairs with no step; a window
-    # (ranges shifting at both ends).
-    (PAIRED, _CAUSAL_203.replace(head_dim=256)),
-    (PAIRED, cases.get_case("mqa_113x203").replace(head_dim=256)),
-    (PAIRED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
-    (PAIRED, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
-    (PAIRED, cases.get_case("window_l32_r8_203x113").replace(head_dim=256)),
-    (PAIRED_DEFERRED, _CAUSAL_203.replace(head_dim=256)),
-    (PAIRED_DEFERRED, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
 ]
 
 
@@ -121,8 +105,7 @@ _INTERPRETED = [
                      f"{'-fused' if cfg.fused_dq else ''}"
                      f"{'-in_step' if cfg.tile_descriptors_in_step else ''}"
                      f"{'-one_do_slot' if cfg.one_do_slot else ''}"
-                     f"{'-deferred' if cfg.defer_last_dq_part else ''}"
-                     f"{'-paired' if cfg.dq_pair_sum else ''}-{c.name}-d{c.head_dim}"))
+                     f"{'-deferred' if cfg.defer_last_dq_part else ''}-{c.name}-d{c.head_dim}"))
     for cfg, c in _INTERPRETED])
 def test_interpreted_head_split_matches_reference(cfg, case, seed):
   with kernel_table(case.head_dim, _both(cfg)):
@@ -142,12 +125,10 @@ def test_interpreted_head_split_dq_reversed_beside_plain_dkv(seed):
                                                ("segments_causal_150x150", 128, HEAD_SPLIT),
                                                ("segments_causal_150x150", 128, DP_AHEAD),
                                                ("all_gqa_lengths_113x203", 256, DEFERRED),
-                                               ("segments_causal_150x150", 256, DEFERRED),
-                                               ("all_gqa_lengths_113x203", 256, PAIRED),
-                                               ("segments_causal_150x150", 256, PAIRED)])
+                                               ("segments_causal_150x150", 256, DEFERRED)])
 def test_interpreted_head_split_with_modifiers(name, head_dim, cfg, seed):
   """Soft-cap (dS times its derivative), ALiBi per query head of the group, segment ids (the
-  block table with one list per key tile; PAIRED runs unpaired there), lengths."""
+  block table with one list per key tile), lengths."""
   with kernel_table(head_dim, _both(cfg)):
     mods_tests._check(mods_tests._CASES[name].with_base(head_dim=head_dim), seed,
                       interpret=True)
@@ -207,9 +188,6 @@ def test_head_split_config_is_checked():
     _K(64, 64, head_split=True, dq_in_flight=True)
   with pytest.raises(ValueError, match="defer_last_dq_part"):
     _K(64, 64, head_split=True, defer_last_dq_part=True)
-  for needs in ("swizzle_f32", "one_do_slot"):
-    with pytest.raises(ValueError, match="dq_pair_sum"):
-      dataclasses.replace(PAIRED, **{needs: not getattr(PAIRED, needs)})
   # Where the separate dQ kernel runs, the option goes with the fused dQ (`UNFUSED_DQ`).
   unfused = config_lib.backward_configs(
       HEAD_SPLIT, dataclasses.replace(DEFERRED, separate_dq_max_blocks=4), [1])[1]
@@ -247,24 +225,6 @@ def test_head_split_lowers_for_cuda(head_dim, cfg):
   assert lowered.as_text().count("mosaic_gpu_v2") == (2 if cfg.fused_dq else 3)
 
 
-def test_paired_head_split_lowers_for_cuda():
-  """cfg.dq_pair_sum lowered: the key tiles (K and V are padded to two, `ops._Static.
-  kv_multiple`) in clusters of two, the peer's dQ part stored into its tile (`st.async` to
-  shared::cluster)."""
-  q = jax.ShapeDtypeStruct((1, 300, 2, 256), jnp.bfloat16)
-
-  def loss(q, k, v):
-    out, _ = ops.attention(q, k, v, None, None, scale=0.1,
-                           spec=pallas_attn.MaskSpec(is_causal=True), dq_cfg=HEAD_SPLIT,
-                           dkv_cfg=PAIRED)
-    return out.astype(jnp.float32).sum()
-
-  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
-      lowering_platforms=("cuda",)).as_text()
-  assert text.count("mosaic_gpu_v2") == 2
-  assert "st.async.cluster.shared::cluster" in text
-
-
 def test_fused_head_split_needs_its_stage():
   """Two stages of the q / dO ring do not fit beside the float32 dQ halves at head_dim 256:
   the shared-memory check says so before lowering."""
@@ -292,9 +252,7 @@ def test_fused_head_split_needs_its_stage():
                                  pytest.param(IN_STEP, id="in_step"),
                                  pytest.param(FUSED_IN_STEP, id="fused_in_step"),
                                  pytest.param(TWO_Q_STAGES, id="two_q_stages"),
-                                 pytest.param(DEFERRED, id="deferred"),
-                                 pytest.param(PAIRED, id="paired"),
-                                 pytest.param(PAIRED_DEFERRED, id="paired_deferred")])
+                                 pytest.param(DEFERRED, id="deferred")])
 @pytest.mark.parametrize("case", [
     pytest.param(c.replace(dtype=cases.BF16, head_dim=d), id=f"{c.name}-d{d}")
     for d in (256, 128)
@@ -312,9 +270,7 @@ def test_gpu_head_split_matches_reference(case, cfg, seed):
                                  pytest.param(FUSED, id="fused"),
                                  pytest.param(FUSED_IN_STEP, id="fused_in_step"),
                                  pytest.param(TWO_Q_STAGES, id="two_q_stages"),
-                                 pytest.param(DEFERRED, id="deferred"),
-                                 pytest.param(PAIRED, id="paired"),
-                                 pytest.param(PAIRED_DEFERRED, id="paired_deferred")])
+                                 pytest.param(DEFERRED, id="deferred")])
 @pytest.mark.parametrize("name", list(mods_tests._CASES))
 def test_gpu_head_split_with_modifiers(name, cfg, seed):
   with kernel_table(256, _both(cfg)):
@@ -326,9 +282,7 @@ def test_gpu_head_split_with_modifiers(name, cfg, seed):
 @pytest.mark.parametrize("cfg", [pytest.param(HEAD_SPLIT, id="split"),
                                  pytest.param(FUSED, id="fused"),
                                  pytest.param(TWO_Q_STAGES, id="two_q_stages"),
-                                 pytest.param(DEFERRED, id="deferred"),
-                                 pytest.param(PAIRED, id="paired"),
-                                 pytest.param(PAIRED_DEFERRED, id="paired_deferred")])
+                                 pytest.param(DEFERRED, id="deferred")])
 def test_gpu_head_split_with_dropout(cfg, seed):
   with kernel_table(256, _both(cfg)):
     _poison_allocator(64 << 20)

@@ -55,7 +55,7 @@ def smem_bytes(scratch_types, reduction_scratch: bool = False) -> int:
   the barriers."""
   buffers = barriers = 0
   for item in jax.tree.leaves(scratch_types, is_leaf=lambda x: not isinstance(x, (tuple, list))):
-    if isinstance(item, (plgpu.Barrier, plgpu.ClusterBarrier)):
+    if isinstance(item, plgpu.Barrier):
       count = item.num_barriers  # an int, or the barrier array's shape
       barriers += math.prod(count if isinstance(count, tuple) else (count,)) * BARRIER_BYTES
     else:
@@ -79,12 +79,11 @@ def compiler_params_within_smem(scratch_types, what: str, reduces: bool):
 
 def warp_specialized(kernel, scratch_types, *, out_type, grid, grid_names, what: str,
                      reduces: bool, interpret: bool,
-                     compute_warpgroups: int = config_lib.COMPUTE_WARPGROUPS,
-                     cluster: tuple[int, ...] = (), cluster_names: tuple[str, ...] = ()):
+                     compute_warpgroups: int = config_lib.COMPUTE_WARPGROUPS):
   """`plgpu.kernel` of `kernel` run by `compute_warpgroups` compute warpgroups and a producer
   warpgroup (the thread axis "wg"), once `scratch_types(interpret)` (the kernel's shared memory
   and barriers) is checked to fit (`compiler_params_within_smem`; `what` names the kernel in the
-  error). `cluster`: CTAs a cluster along the axes `cluster_names` (the grid counts clusters)."""
+  error)."""
   params = compiler_params_within_smem(scratch_types(False), what, reduces)
   return plgpu.kernel(
       kernel,
@@ -92,8 +91,6 @@ def warp_specialized(kernel, scratch_types, *, out_type, grid, grid_names, what:
       scratch_types=scratch_types(interpret),
       grid=grid,
       grid_names=grid_names,
-      cluster=cluster,
-      cluster_names=cluster_names,
       num_threads=compute_warpgroups + 1,
       thread_name="wg",
       compiler_params=params,

@@ -171,19 +171,6 @@ class KernelConfig:
   # ~10% of the fused kernel's stall samples, ~9% of its time (H200, benchmarks/NOTES.md
   # session 25); here that wait has the next step's first wgmma to hide in.
   defer_last_dq_part: bool = False
-  # head_split with fused_dq and one_do_slot: the CTAs in clusters of two on neighbouring key
-  # tiles of one head, both walking the union of the two tiles' query blocks (a block outside a
-  # tile's own range is a masked step that adds zeros). Of each warpgroup's two dQ parts of a
-  # step, one is owned by each CTA: the other CTA's goes into that CTA's float32 tile through
-  # distributed shared memory (`plgpu.async_store_smem`, registers to the peer's tile), where
-  # the owner adds its own part and reduce-adds the sum once: half the reduce-add bytes into L2,
-  # which bound head_dim 256's fused kernel (benchmarks/NOTES.md sessions 25, 26). Head_dim
-  # 256 only (two parts a warpgroup); a grid of an odd number of key tiles, or with a block
-  # table, runs unpaired. Needs swizzle_f32 (the remote store writes a swizzled tile); not with
-  # defer_last_dq_part.
-  dq_pair_sum: bool = False
-  # (Experiment: the pairs walk and meet, each CTA reduce-adding its own parts: no exchange.)
-  dq_pair_exchange: bool = True
   # Registers per thread of each compute warpgroup (setmaxnreg); the producer warpgroup keeps
   # what they leave of the launch's (`launch_registers`): of 3 * 168, 40 at 232 (tokamax's and
   # JAX's examples' split), 24 at 240 (FlashAttention-3's for two consumer warpgroups); of 4 *
@@ -358,12 +345,6 @@ class KernelConfig:
     if self.defer_last_dq_part and not (self.head_split and self.fused_dq):
       raise ValueError(f"defer_last_dq_part is an option of head_split with fused_dq, got "
                        f"head_split={self.head_split}, fused_dq={self.fused_dq}")
-    if self.dq_pair_sum and not (self.head_split and self.fused_dq and self.one_do_slot
-                                 and self.swizzle_f32):
-      raise ValueError(f"dq_pair_sum is an option of head_split with fused_dq, one_do_slot and "
-                       f"swizzle_f32, got head_split={self.head_split}, fused_dq="
-                       f"{self.fused_dq}, one_do_slot={self.one_do_slot}, swizzle_f32="
-                       f"{self.swizzle_f32}")
     if self.head_split and self.fused_dq and self.dp_ahead:
       raise ValueError("head_split with fused_dq takes no dp_ahead (warpgroup 1's dQ part needs "
                        "the query block and head that its dp_ahead loop does not walk)")
@@ -446,8 +427,8 @@ def _mean_and_skew(tile_blocks) -> tuple[float | None, bool]:
 # head_dim 128 though it stops spilling, 0.97-0.99x at 256 (benchmarks/NOTES.md sessions 20, 21).
 UNFUSED_DQ = types.MappingProxyType(dict(
     fused_dq=False, co_issue_dq=False, dq_column_halves=False, dq_step_late=False,
-    one_do_slot=False, defer_last_dq_part=False, dq_pair_sum=False,
-    tile_descriptors_in_step=False, separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0))
+    one_do_slot=False, defer_last_dq_part=False, tile_descriptors_in_step=False,
+    separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0))
 
 
 def backward_configs(dq_cfg: KernelConfig, dkv_cfg: KernelConfig,

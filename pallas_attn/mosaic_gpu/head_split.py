@@ -57,7 +57,6 @@ from pallas_attn.mosaic_gpu import mods as mods_lib
 
 _WGS = config_lib.COMPUTE_WARPGROUPS
 _SCORES, _DP = 0, 1  # the two compute warpgroups' jobs
-PAIR = "pair"  # the cluster axis of cfg.dq_pair_sum's two CTAs
 
 
 def _one_tile(cfg: config_lib.KernelConfig):
@@ -77,8 +76,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                 dpt_smem, staging, kv_full, q_full, do_full, lse_full, delta_full, slot_free,
                 dpt_full, dpt_free, pt_full, ds_full, ds_free, halves_written, *dq_smem,
                 spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-                num_q_blocks: int, groups: int, mods: mods_lib.KernelMods, dq_partials: bool,
-                paired: bool):
+                num_q_blocks: int, groups: int, mods: mods_lib.KernelMods, dq_partials: bool):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
@@ -88,18 +86,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   q_length = q_len_ref[batch]
   kv_length = kv_len_ref[batch]
 
-  # cfg.dq_pair_sum (`paired`): this CTA is `rank` of a cluster on key tiles 2c and 2c + 1.
-  rank = lax.axis_index(PAIR) if paired else None
-  kv_tile = lax.axis_index("kv_tiles") * 2 + rank if paired else lax.axis_index("kv_tiles")
-  kv_start = kv_tile * block_kv
+  kv_start = lax.axis_index("kv_tiles") * block_kv
   cta_list = ranges = None
   if table_refs is None:
-    if paired:
-      ranges = _pair_ranges(spec, (kv_tile - rank) * block_kv, rank, block_kv, block_q,
-                            num_q_blocks, q_length, kv_length)
-    else:
-      ranges = common.key_tile_query_ranges(spec, kv_start, block_kv, block_q, num_q_blocks,
-                                            q_length, kv_length)
+    ranges = common.key_tile_query_ranges(spec, kv_start, block_kv, block_q, num_q_blocks,
+                                          q_length, kv_length)
     lo, hi = ranges[0], ranges[3]
     per_head, block_of = hi - lo, (lambda e: lo + e)
   else:
@@ -107,11 +98,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                                         tile=lax.axis_index("kv_tiles"))
     per_head, block_of = cta_list.count, cta_list.block
 
-  # cfg.one_do_slot: dO's one slot and its own release (mid-step), behind the dQ tiles; then,
-  # paired, each warpgroup's barrier for the peer's part arriving in its tile and the pair's
-  # barrier for both CTAs' tiles being free.
+  # cfg.one_do_slot: dO's one slot and its own release (mid-step), behind the dQ tiles.
   do_free = dq_smem[1] if cfg.one_do_slot else None
-  peer_part_in, tiles_free = dq_smem[2:] if paired else (None, None)
   # (A traced 0: a constant index into the barriers inside the walk fails to lower, jax 0.11.2.)
   do_slot = lambda slot: lax.rem(slot, 1) if cfg.one_do_slot else slot
 
@@ -132,23 +120,22 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   if dq_acc_ref is not None:  # cfg.fused_dq
     dq_out_smem = dq_smem[0]
     # Interpreted, each key tile writes its own partial dQ (see `bwd.dqkv`).
-    dq_dest = dq_acc_ref.at[kv_tile] if dq_partials else dq_acc_ref
+    dq_dest = dq_acc_ref.at[lax.axis_index("kv_tiles")] if dq_partials else dq_acc_ref
 
-  def dk_and_dq(dk, dst, slot, qi, g, half, count, *, dst_in_smem: bool):
+  def dk_and_dq(dk, dst, slot, qi, g, half, *, dst_in_smem: bool):
     """dK[:, half] += dS^T Q[:, half] (dst: dS^T in registers, or its shared-memory tile), and
     with fused_dq this warpgroup's half of the block's dQ part, dS K[:, half] (dS^T's tile read
     transposed), in parts of [block_q, head_dim / 4] where those are whole 64-column tiles
     (`_dq_parts`; a whole [64, 128] float32 half spilled as much, benchmarks/NOTES.md session
     16): the first issued behind dK's wgmma and awaited with it, each reduce-added while the
-    next runs; paired, the peer's part first, sent while this CTA's own runs (`send_to_peer`).
-    Returns (dK, the last part, not yet sent: None without fused_dq), for warpgroup 1 to send
-    once it has released the dS^T tile (`send_last_part`)."""
+    next runs. Returns (dK, the last part, not yet sent: None without fused_dq), for warpgroup
+    1 to send once it has released the dS^T tile (`send_last_part`)."""
     accumulating = (dk, dst, q_smem.at[slot, :, half])
     if dq_acc_ref is None:
       if dst_in_smem:
         return common.matmul_acc_smem(*accumulating, stage is not None), None
       return common.matmul_acc(*accumulating, stage), None
-    parts = _pair_parts(half, rank) if paired else _dq_parts(half)
+    parts = _dq_parts(half)
     dq_pairs = lambda cols: [(dst_smem.T, k_smem.at[_one_tile(cfg), :, cols])]
     dq_shape = (block_q, parts[0].size)
     if stage is not None and dst_in_smem:  # (interpreted: no staging of a smem operand)
@@ -158,20 +145,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       (dk,), part = common.matmul_accs_then_product(
           (accumulating,), lambda: dq_pairs(parts[0]), dq_shape, stage)
     for i in range(1, len(parts)):
-      if paired:
-        part = common.matmul_sum(dq_pairs(parts[i]), dq_shape, functools.partial(
-            send_to_peer, part, qi, g, parts[i - 1], count))
-      else:
-        reduce_dq(part, qi, g, parts[i - 1], i - 1)
-        part = common.matmul_sum(dq_pairs(parts[i]), dq_shape)
+      reduce_dq(part, qi, g, parts, i - 1)
+      part = common.matmul_sum(dq_pairs(parts[i]), dq_shape)
     return dk, part
 
   def reduce_last_part(part, qi, g, half):
-    if paired:
-      reduce_with_peer_part(part, qi, g, _pair_parts(half, rank)[-1])
-      return
     parts = _dq_parts(half)
-    reduce_dq(part, qi, g, parts[-1], len(parts) - 1)
+    reduce_dq(part, qi, g, parts, len(parts) - 1)
 
   def send_last_part(part, qi, g, half):
     """The step's last dQ part (from `dk_and_dq`; None: no fused dQ) reduce-added now, or with
@@ -194,60 +174,18 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       def _():
         reduce_last_part(part, qi, g, half)
 
-  def under_first_wgmma(deferred, count, half):
-    """What runs under a step's first wgmma (`common.matmul`'s while_running; None: nothing):
-    `send_deferred`, or paired without it `free_tile`."""
-    if paired and not cfg.defer_last_dq_part:
-      return functools.partial(free_tile, count)
+  def deferred_sender(deferred, count, half):
+    """`send_deferred` as a thunk for `common.matmul`'s while_running (None: nothing carried)."""
     return functools.partial(send_deferred, deferred, count, half) if deferred else None
 
-  def dq_rows(qi, g, cols):
-    return dq_dest.at[batch, pl.ds(qi * block_q, block_q), kv_head * groups + g, cols]
-
-  def reduce_dq(part, qi, g, cols, i):
-    """dQ[qi block, query head g of the group, cols] += part, through this warpgroup's
+  def reduce_dq(part, qi, g, parts, i):
+    """dQ[qi block, query head g of the group, parts[i]] += part, through this warpgroup's
     shared-memory tile i (a reduce-add still reading is from the other tile, if any), or its
     one tile (cfg.one_do_slot: once the last reduce-add from it has read it)."""
+    dest = dq_dest.at[batch, pl.ds(qi * block_q, block_q), kv_head * groups + g, parts[i]]
     tiles = dq_out_smem.shape[1]
-    common.reduce_add(part, dq_out_smem.at[wg, i % tiles], dq_rows(qi, g, cols), dq_partials,
+    common.reduce_add(part, dq_out_smem.at[wg, i % tiles], dest, dq_partials,
                       pending=tiles - 1)
-
-  def free_tile(count):
-    """Paired, under a step's first wgmma: once the last step's reduce-add has read this
-    warpgroup's tile, tell both CTAs (the peer's next part may come into it)."""
-    @pl.when(count > 0)
-    def _():
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      plgpu.barrier_arrive(tiles_free.at[wg])
-
-  def free_tile_after_deferred(count):
-    """Paired with cfg.defer_last_dq_part, mid-step (after dV's wgmma): the deferred part's
-    reduce-add went out under the step's first wgmma; `free_tile` once it has read the tile."""
-    if paired and cfg.defer_last_dq_part:
-      free_tile(count)
-
-  def send_to_peer(part, qi, g, cols, count):
-    """Paired: the step's dQ part that the peer CTA owns into the peer's tile, once both
-    tiles are free (`free_tile`), completing on the peer's `peer_part_in`. Interpreted (no
-    stores into another CTA's shared memory there) reduce-added here instead."""
-    _wait_unless_first(count, tiles_free.at[wg])
-    if dq_partials or not cfg.dq_pair_exchange:
-      reduce_dq(part, qi, g, cols, 0)
-      return
-    plgpu.async_store_smem(part, dq_out_smem.at[wg, 0], peer_part_in.at[wg],
-                           cluster_idx=1 - rank, cluster_dim=PAIR)
-
-  def reduce_with_peer_part(part, qi, g, cols):
-    """Paired: dQ[qi block, head g, cols] += part + the peer's part for it (in this
-    warpgroup's tile once `peer_part_in` completes), one reduce-add for the two key tiles."""
-    if dq_partials or not cfg.dq_pair_exchange:
-      reduce_dq(part, qi, g, cols, 0)
-      return
-    tile = dq_out_smem.at[wg, 0]
-    plgpu.barrier_wait(peer_part_in.at[wg])
-    tile[...] = plgpu.load(tile, (), layout=common.WGMMA) + part
-    plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(tile, dq_rows(qi, g, cols), reduction_op="add")
 
   def wait_filled(slot):
     plgpu.barrier_wait(q_full.at[slot])
@@ -302,7 +240,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       cols = scores.columns(qi, block_q, masked=masked)
       wait_filled(slot)
       st = common.matmul(k_smem.at[_one_tile(cfg)], q_smem.at[slot].T,  # S^T
-                         (block_kv, block_q), under_first_wgmma(deferred, count, half))
+                         (block_kv, block_q), deferred_sender(deferred, count, half))
       st, chain = scores(st, cols, masked=masked)
       lse2 = plgpu.load(lse_smem.at[slot], (), layout=common.WGMMA_COL) * common.LOG2E
       pt = jnp.exp2(st - common.broadcast_cols(lse2, st.shape))  # P^T [block_kv, block_q]
@@ -316,7 +254,6 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       # dV before dP^T is read: P^T's low-precision copy is dead before dP^T's registers are live.
       dv = common.matmul_acc(dv, pt_dropped, do_smem.at[do_slot(slot), :, half], stage)
       release_do(slot)
-      free_tile_after_deferred(count)
       plgpu.barrier_wait(dpt_full)
       dpt = plgpu.load(dpt_smem, (), layout=common.WGMMA)
       plgpu.barrier_arrive(dpt_free)
@@ -327,7 +264,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dst_smem[...] = dst
       plgpu.commit_smem()  # for warpgroup 1's dK wgmma (and both dQ wgmmas)
       plgpu.barrier_arrive(ds_full)
-      dk, last_part = dk_and_dq(dk, dst, slot, qi, g, half, count, dst_in_smem=False)
+      dk, last_part = dk_and_dq(dk, dst, slot, qi, g, half, dst_in_smem=False)
       return dk, dv, *send_last_part(last_part, qi, g, half)
 
     dk, dv, *deferred, count = walk(step, half)
@@ -348,7 +285,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dk, dv, *deferred = acc
       wait_filled(slot)
       dpt = common.matmul(v_smem.at[_one_tile(cfg)], do_smem.at[do_slot(slot)].T,  # dP^T
-                          (block_kv, block_q), under_first_wgmma(deferred, count, half))
+                          (block_kv, block_q), deferred_sender(deferred, count, half))
 
       _wait_unless_first(count, dpt_free)  # warpgroup 0 has read the last dP^T
       dpt_smem[...] = dpt
@@ -357,9 +294,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       dv = common.matmul_acc_smem(dv, pt_smem, do_smem.at[do_slot(slot), :, half],
                                   stage is not None)
       release_do(slot)
-      free_tile_after_deferred(count)
       plgpu.barrier_wait(ds_full)
-      dk, last_part = dk_and_dq(dk, dst_smem, slot, qi, g, half, count, dst_in_smem=True)
+      dk, last_part = dk_and_dq(dk, dst_smem, slot, qi, g, half, dst_in_smem=True)
       plgpu.barrier_arrive(ds_free)
       return dk, dv, *send_last_part(last_part, qi, g, half)
 
@@ -470,34 +406,6 @@ def _half(warpgroup: int, head_dim: int):
   return pl.ds(warpgroup * (head_dim // 2), head_dim // 2)
 
 
-def _pair_ranges(spec, pair_start, rank, block_kv: int, block_q: int, num_q_blocks: int,
-                 q_length, kv_length):
-  """cfg.dq_pair_sum: the (lo, full_lo, full_hi, hi) of `common.masked_loops` for CTA `rank`
-  of the pair of key tiles from `pair_start`: [lo, hi) the union of the two tiles' query blocks
-  (both CTAs walk the same steps, exchanging a dQ part at each), [full_lo, full_hi) this tile's
-  own unmasked blocks within it; every other step is masked, and adds zeros where the tile's
-  keys see none of the block's queries."""
-  tiles = [common.key_tile_query_ranges(spec, pair_start + t * block_kv, block_kv, block_q,
-                                        num_q_blocks, q_length, kv_length) for t in range(2)]
-  (lo0, *_, hi0), (lo1, *_, hi1) = tiles
-  # (An empty range's ends may lie anywhere: the union is the other tile's range then.)
-  lo = jnp.where(lo0 >= hi0, lo1, jnp.where(lo1 >= hi1, lo0, jnp.minimum(lo0, lo1)))
-  hi = jnp.where(lo0 >= hi0, hi1, jnp.where(lo1 >= hi1, hi0, jnp.maximum(hi0, hi1)))
-  hi = jnp.maximum(hi, lo)
-  own = [jnp.where(rank == 0, first, second) for first, second in zip(*tiles)]
-  own_empty = own[0] >= own[3]
-  full_lo = jnp.where(own_empty, lo, jnp.clip(own[1], lo, hi))
-  full_hi = jnp.where(own_empty, lo, jnp.clip(own[2], full_lo, hi))
-  return lo, full_lo, full_hi, hi
-
-
-def _pair_parts(half, rank):
-  """cfg.dq_pair_sum: a warpgroup's two dQ parts (`_dq_parts`) as (the one CTA `rank`'s peer
-  owns, its own): CTA r owns part r of each half."""
-  size = half.size // 2
-  return [pl.ds(half.start + (1 - rank) * size, size), pl.ds(half.start + rank * size, size)]
-
-
 def _dq_parts(half):
   """The column ranges a warpgroup makes its `half` of the fused dQ in (a pl.ds of static
   bounds): two quarters of dQ where each is a whole number of 64-column tiles of K (head_dim
@@ -539,34 +447,25 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, *,
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   _check_head_dim(head_dim)
-  tiles = kv_len // cfg.block_kv
-  # (cfg.dq_pair_sum pairs key tiles 2c and 2c + 1 of positional ranges, each CTA owning one of
-  # a warpgroup's two dQ parts (head_dim 256): not an odd count, nor a block table's per-tile
-  # lists.)
-  paired = (cfg.dq_pair_sum and tiles % 2 == 0 and table is None
-            and len(_dq_parts(_half(0, head_dim))) == 2)
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
                              num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv,
-                             mods=mods, dq_partials=interpret, paired=paired)
-  grid, grid_names = cfg.grid(heads=heads_kv, tiles=tiles // 2 if paired else tiles,
-                              batch=batch, tile_axis="kv_tiles")
+                             mods=mods, dq_partials=interpret)
+  grid, grid_names = cfg.grid(heads=heads_kv, tiles=kv_len // cfg.block_kv, batch=batch,
+                              tile_axis="kv_tiles")
   return common.warp_specialized(
-      kernel, lambda interp: dkv_scratch_types(cfg, head_dim, q.dtype, interp, paired=paired),
+      kernel, lambda interp: dkv_scratch_types(cfg, head_dim, q.dtype, interp),
       out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, grid=grid, grid_names=grid_names,
-      what=f"the head-split dK/dV kernel with {cfg}", reduces=False, interpret=interpret,
-      cluster=(2,) if paired else (), cluster_names=(PAIR,) if paired else ())(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table,
+      what=f"the head-split dK/dV kernel with {cfg}", reduces=False,
+      interpret=interpret)(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table,
                            dq_acc)
 
 
-def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool,
-                      paired: bool | None = None) -> list:
+def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
   """The dK/dV kernel's shared memory and barriers (the order `_dkv_kernel` takes them in).
   head_dim 256, blocks of 64, 2 stages: K, V 64 KiB; q, dO ring 128 KiB; P^T, dS^T 16 KiB; dP^T
   16 KiB; lse and delta 2 KiB: 226 KiB. With fused_dq the two float32 dQ halves, 64 KiB at
   head_dim 256: one stage, 226 KiB; or with one_do_slot two q stages, one dO slot and one 16
-  KiB float32 tile a warpgroup: 225 KiB. `paired` (default cfg.dq_pair_sum: the CTA pairs of
-  `dkv`) adds two barriers a warpgroup."""
-  paired = cfg.dq_pair_sum if paired is None else paired
+  KiB float32 tile a warpgroup: 225 KiB."""
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
   meeting = plgpu.Barrier  # one warpgroup arrives, the other waits
@@ -595,10 +494,6 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
                           parts[0].size), cfg.swizzle_f32)] if cfg.fused_dq else []),
       # one_do_slot: dO's slot free (both warpgroups' dV wgmmas done)
       *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=1)] if cfg.one_do_slot else []),
-      # paired: the peer's dQ part in this warpgroup's tile (each of the sending warpgroup's
-      # threads arrives, expecting its bytes); both CTAs' tiles free
-      *([plgpu.Barrier(num_barriers=_WGS),
-         plgpu.ClusterBarrier(collective_axes=(PAIR,), num_barriers=_WGS)] if paired else []),
   ]
 
 
