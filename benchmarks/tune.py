@@ -346,6 +346,9 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # 0.92-0.94x, commits bfaa3ca and c384c9d; session 26 each part out in two column halves
     # through two half-width tiles, 0.93-1.00x, commit 57d356e.)
     "defer_last_dq_part": {"dkv": dict(defer_last_dq_part=True)},
+    # (Session 27 tried CTA pairs on neighbouring key tiles summing each dQ part with the peer's
+    # through distributed shared memory before one reduce-add, `dq_pair_sum`: 0.61-0.69x, the
+    # pairs without the exchange 0.93-0.98x; commits 83a68c6 and 20fbca9.)
     # (Session 23 tried the overlapped forward's P carried in float32 and its P V wait pinned
     # behind the step's exp2s: 0.87-0.99x, removed; commit b03a50f has them.)
 }
