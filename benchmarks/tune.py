@@ -138,6 +138,10 @@ VARIANTS: dict[str, dict[str, dict]] = {
         persistent=True, next_q_after_walk=True, tile_descriptors_in_step=True)},
     # head_dim 128's table (session 24) at the other head dims: the next q after the loops where
     # the table runs persistent, and causal rows up to 100 blocks persistent too.
+    # Each item's last P V under the next item's first QK^T and softmax (session 28): where
+    # the table runs persistent, and on the persistent grid everywhere.
+    "fwd_overlap_items": {"fwd": dict(overlap_items=True)},
+    "fwd_persistent_overlap_items": {"fwd": dict(persistent=True, overlap_items=True)},
     "fwd_q_late": {"fwd": dict(next_q_after_walk=True)},
     "fwd_q_late_skewed100": {"fwd": dict(next_q_after_walk=True,
                                          persistent_max_blocks_skewed=100)},
