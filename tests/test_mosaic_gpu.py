@@ -1035,6 +1035,9 @@ def test_gpu_d64_backward_layouts(variant, case, seed):
     cases.check_case(case, "mosaic_gpu", seed=seed)
 
 
+# The table's head_dim 128 short-row forward (tile pairs) with `overlap_items`.
+_OVERLAP_ITEMS_PAIRS = _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
+                         persistent=True, pair_q_tiles=True, overlap_items=True)
 # Persistent forwards with many more (batch, head, q tile) items than the H200's 132 CTAs, so
 # every CTA walks several (the variant cases above have fewer items than SMs): name -> (batch,
 # seq, heads_q, heads_kv, head_dim, causal, q_lengths, kv_lengths, config).
@@ -1063,23 +1066,17 @@ _PERSISTENT_GPU = {
         _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
            pair_q_tiles=True)),
     # Each item's last P V under the next one's first QK^T (`overlap_items`), non-causal and
-    # causal in tile pairs, and causal GQA with lengths (items past the rows, with no key).
-    "b16_s1024_h16_d128_overlap_items": (
-        16, 1024, 16, 16, 128, False, None, None,
-        _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
-           pair_q_tiles=True, overlap_items=True)),
-    "b16_s1024_h16_d128_causal_pairs_overlap_items": (
-        16, 1024, 16, 16, 128, True, None, None,
-        _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
-           pair_q_tiles=True, overlap_items=True)),
+    # causal in tile pairs, causal GQA with lengths (items past the rows, with no key), and
+    # single tiles at 16 blocks an item.
+    "b16_s1024_h16_d128_overlap_items": (16, 1024, 16, 16, 128, False, None, None,
+                                         _OVERLAP_ITEMS_PAIRS),
+    "b16_s1024_h16_d128_causal_pairs_overlap_items": (16, 1024, 16, 16, 128, True, None, None,
+                                                      _OVERLAP_ITEMS_PAIRS),
     "b3_s1000_gqa4_d128_causal_lengths_overlap_items": (
-        3, 1000, 8, 2, 128, True, [1000, 617, 5], [1000, 555, 0],
-        _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
-           pair_q_tiles=True, overlap_items=True)),
-    "b1_s4096_h16_d128_overlap_items": (
-        1, 4096, 16, 16, 128, False, None, None,
-        _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
-           overlap_items=True)),
+        3, 1000, 8, 2, 128, True, [1000, 617, 5], [1000, 555, 0], _OVERLAP_ITEMS_PAIRS),
+    "b1_s4096_h16_d128_overlap_items": (1, 4096, 16, 16, 128, False, None, None,
+                                        dataclasses.replace(_OVERLAP_ITEMS_PAIRS,
+                                                            pair_q_tiles=False)),
     "b16_s1024_h16_d128_q_after_walk": (
         16, 1024, 16, 16, 128, False, None, None,
         _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
