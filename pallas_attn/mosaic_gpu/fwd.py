@@ -504,12 +504,47 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       finish_item(wg, waiting._replace(acc=done), last_pv=False)
       return acc, m_new, l_i, p.astype(dtype), alpha
 
-    pl.when(in_rows(q_start))(lambda: plgpu.barrier_wait(q_full.at[q_at]))
-    carry = (
-        plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), common.WGMMA),
+    def steady_walk(carry):
+      """The overlapped steps after tile lo's (past hi when there is no tile: none runs)."""
+      start = lo + 1
+      return common.masked_loops(start, jnp.maximum(full_lo, start),
+                                 jnp.maximum(full_hi, jnp.maximum(full_lo, start)), hi,
+                                 overlapped_step, carry)
+
+    def walk_after(waiting: _Pending) -> _Pending:
+      """overlap_items: this item's range walk, the item before ending in tile lo's step where
+      no block is released between the two (which would wait for the slot its last P V holds),
+      else before the releases; returns this item as the next one's `_Pending`. The fresh
+      accumulator joins the carry after tile lo's step, and P and alpha only there, so what is
+      live across the item before's last P V is the steady step's (its acc, S, its P)."""
+      release_block = lambda j, c: release_in_turn(slot_of(j), c)
+      bridged = waiting.waits & (lo < hi) & (lo == cta_lo)
+      pl.when(waiting.waits & ~bridged)(lambda: finish_item(wg, waiting))
+      lax.fori_loop(cta_lo, lo, release_block, None)
+      no_tile = lambda c: (*c[:3], plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype),
+                                                     common.WGMMA),
+                           plgpu.layout_cast(jnp.ones((block_q,), jnp.float32), common.WGMMA_ROW))
+      first = lambda c: lax.cond(lo < hi, first_step, no_tile, c)
+      _, m_i, l_i, p, alpha = lax.cond(bridged, bridge, first, (None, *row_stats(), None, None))
+      carry = steady_walk((zero_acc(), m_i, l_i, p, alpha))
+      # This item waits for the next one's first step, unless it releases blocks after its walk
+      # (their slots come before the next item's) or has no block.
+      this = _Pending((lo < hi) & (hi == cta_hi), *carry, slot_of(hi - 1), batch, head,
+                      lax.div(q_start, block_q), q_length)
+      pl.when(~this.waits & (lo < hi))(lambda: finish_item(wg, this))
+      pl.when(hi <= lo)(lambda: finish_item(wg, this, last_pv=False))
+      lax.fori_loop(hi, cta_hi, release_block, None)
+      return this
+
+    zero_acc = lambda: plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
+                                         common.WGMMA)
+    row_stats = lambda: (  # m and l before the first key
         plgpu.layout_cast(jnp.full((block_q,), numerics.M_INIT, jnp.float32), common.WGMMA_ROW),
-        plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), common.WGMMA_ROW),
-    )
+        plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), common.WGMMA_ROW))
+    pl.when(in_rows(q_start))(lambda: plgpu.barrier_wait(q_full.at[q_at]))
+    if waiting is not None:  # (a persistent CTA's overlapped range walks: `_kernel` says)
+      return walk_after(waiting)
+    carry = (zero_acc(), *row_stats())
     overlapped = cfg.overlap_qk and cta_list is None
     if not overlapped:
       pl.when(wg == 1)(meet)  # offsets the two warpgroups by one meeting
@@ -522,33 +557,14 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
         next_q()
     else:
       release_block = lambda j, c: (release_in_turn if overlapped else release)(slot_of(j), c)
-      if waiting is not None:
-        # The item before ends in tile lo's step where no block is released between the two
-        # (which would wait for the slot its last P V holds), else before the releases.
-        bridged = waiting.waits & (lo < hi) & (lo == cta_lo)
-        pl.when(waiting.waits & ~bridged)(lambda: finish_item(wg, waiting))
       lax.fori_loop(cta_lo, lo, release_block, None)
       if overlapped:
         carry += (plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), common.WGMMA),
                   plgpu.layout_cast(jnp.ones((block_q,), jnp.float32), common.WGMMA_ROW))
         keep = lambda c: c
-        first = lambda c: lax.cond(lo < hi, first_step, keep, c)
-        carry = first(carry) if waiting is None else lax.cond(bridged, bridge, first, carry)
-        start = lo + 1  # (past hi when there is no tile: the loops below run zero times)
-        carry = common.masked_loops(start, jnp.maximum(full_lo, start),
-                                    jnp.maximum(full_hi, jnp.maximum(full_lo, start)), hi,
-                                    overlapped_step, carry)
+        carry = steady_walk(lax.cond(lo < hi, first_step, keep, carry))
         if q_after_walk:  # every QK^T of the item is done (its softmax read it)
           next_q()
-        if waiting is not None:
-          # This item waits for the next one's first step, unless it released blocks after
-          # its walk (their slots come before the next item's) or has no block.
-          this = _Pending((lo < hi) & (hi == cta_hi), *carry, slot_of(hi - 1), batch, head,
-                          lax.div(q_start, block_q), q_length)
-          pl.when(~this.waits & (lo < hi))(lambda: finish_item(wg, this))
-          pl.when(hi <= lo)(lambda: finish_item(wg, this, last_pv=False))
-          lax.fori_loop(hi, cta_hi, release_block, None)
-          return this
         carry = lax.cond(lo < hi, last_pv, keep, carry)[:3]
       else:
         carry = common.masked_loops(lo, full_lo, full_hi, hi,
