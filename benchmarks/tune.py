@@ -138,10 +138,6 @@ VARIANTS: dict[str, dict[str, dict]] = {
         persistent=True, next_q_after_walk=True, tile_descriptors_in_step=True)},
     # head_dim 128's table (session 24) at the other head dims: the next q after the loops where
     # the table runs persistent, and causal rows up to 100 blocks persistent too.
-    # Each item's last P V under the next item's first QK^T and softmax (session 28): where
-    # the table runs persistent, and on the persistent grid everywhere.
-    "fwd_overlap_items": {"fwd": dict(overlap_items=True)},
-    "fwd_persistent_overlap_items": {"fwd": dict(persistent=True, overlap_items=True)},
     "fwd_q_late": {"fwd": dict(next_q_after_walk=True)},
     "fwd_q_late_skewed100": {"fwd": dict(next_q_after_walk=True,
                                          persistent_max_blocks_skewed=100)},
@@ -406,19 +402,10 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
     return f"does not apply: head_split needs head_dim a multiple of 128, not {shape.head_dim}"
   if dkv_changes.get("dq_column_halves") and shape.head_dim < 128:
     return f"does not apply: dQ column halves need head_dim >= 128, not {shape.head_dim}"
-  if (VARIANTS[name].get("fwd", {}).get("overlap_items")
-      and not config_lib.kernel_config(shape.head_dim, "fwd").overlap_qk):
-    return (f"does not apply: overlap_items is an option of the overlapped forward, which head_dim "
-            f"{shape.head_dim}'s table does not run")
   try:
     cfgs = variant_configs(name, shape.head_dim)
   except ValueError as e:
     return f"invalid: {e}"
-  if cfgs["fwd"].overlap_items:  # (its second q tile is there on the persistent grid only)
-    need = common.smem_bytes(_SCRATCH["fwd"](dataclasses.replace(cfgs["fwd"], persistent=True),
-                                             shape.head_dim, dtype, interpret=False))
-    if need > config_lib.SMEM_BYTES:
-      return f"does not fit: the persistent fwd needs {need / 1024:.1f} KiB of shared memory"
   for kernel, cfg in cfgs.items():
     # The forward may drop Pallas's reduction scratch to fit (common.compiler_params_within_smem).
     need = common.smem_bytes(_SCRATCH[kernel](cfg, shape.head_dim, dtype, interpret=False))

@@ -203,15 +203,6 @@ _VARIANTS = {
                                    persistent_max_blocks=4, persistent_max_blocks_skewed=3,
                                    pair_q_tiles=True)},
     "persistent_pairs_ping_pong": {"fwd": _K(64, 64, persistent=True, pair_q_tiles=True)},
-    # Each item's last P V under the next item's first QK^T and softmax, q in two tiles a
-    # warpgroup (`overlap_items`), with tile pairs as the table's short rows run.
-    "persistent_overlap_items": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False,
-                                           fold_scale=True, persistent=True,
-                                           overlap_items=True)},
-    "persistent_pairs_overlap_items": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False,
-                                                 fold_scale=True, persistent_max_blocks=4,
-                                                 persistent_max_blocks_skewed=3,
-                                                 pair_q_tiles=True, overlap_items=True)},
     # The forward's q tile indexed in the step (its QK^T descriptors built there): the
     # overlapped walk at block_kv 192 (and the plain one below, three warpgroups).
     "fwd_kv192_descriptors_in_step": {"fwd": _K(64, 192, overlap_qk=True, ping_pong=False,
@@ -238,8 +229,6 @@ _GQA_CAUSAL_460 = _GQA_CAUSAL_203.replace(q_len=460, kv_len=460, name="gqa_causa
 _GQA_CAUSAL_LENGTHS_330 = cases.get_case("gqa_causal_lengths_113x203").replace(
     q_len=330, kv_len=330, q_lengths=[330, 201], kv_lengths=[150, 330],
     name="gqa_causal_lengths_330x330")
-_WINDOW_460 = cases.get_case("window_l32_r8_203x113").replace(q_len=460, kv_len=460,
-                                                              name="window_l32_r8_460x460")
 _VARIANT_CASES = [
     ("kv192_reversed_tiles_first", _CAUSAL_203),
     ("kv192_reversed_tiles_first", cases.get_case("mqa_113x203")),  # dK/dV sums a group of 4
@@ -325,15 +314,6 @@ _VARIANT_CASES = [
                                                                    q_lengths=[460, 201])),
     ("persistent_pairs", cases.get_case("mha_17x17").replace(q_len=113, kv_len=600,
                                                              name="mha_113x600")),
-    # Items whose warpgroups release blocks before or after their walks (a window over 460
-    # keys: ranges narrower than the CTA's; those boundaries run unbridged), items past the
-    # query lengths or with no key, and non-causal rows of 5 blocks.
-    ("persistent_overlap_items", _WINDOW_460.replace(head_dim=128)),
-    ("persistent_overlap_items", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
-    ("persistent_overlap_items", cases.get_case("lengths_kv0_113x203")),
-    ("persistent_pairs_overlap_items", _GQA_CAUSAL_460),
-    ("persistent_pairs_overlap_items", cases.get_case("mha_17x17").replace(
-        q_len=113, kv_len=600, name="mha_113x600")),
     ("fwd_kv192_descriptors_in_step", _CAUSAL_203),
     ("fwd_kv192_descriptors_in_step", _GQA_CAUSAL_LENGTHS_330),
     ("three_warpgroups_persistent_descriptors_in_step", _GQA_CAUSAL_203),
@@ -396,17 +376,6 @@ _PERSISTENT_FORWARDS = [
                          persistent=True, next_q_after_walk=True), {}, id="d128-q_after_walk"),
     pytest.param(64, _K(64, 64, persistent=True, next_q_after_walk=True),
                  dict(kv_lengths=[203, 120]), id="d64-q_after_walk_lengths"),
-    # Each item's last P V under the next item's first QK^T (`overlap_items`): plain, with key
-    # lengths, with the modifiers, and a block table (walked as without it).
-    pytest.param(128, _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
-                         persistent=True, overlap_items=True), {}, id="d128-overlap_items"),
-    pytest.param(128, _K(64, 128, overlap_qk=True, ping_pong=False, persistent=True,
-                         overlap_items=True), dict(kv_lengths=[203, 120], logits_soft_cap=20.0,
-                                                   dropout_rate=0.1),
-                 id="d128-overlap_items_lengths_softcap_dropout"),
-    pytest.param(64, _K(64, 64, overlap_qk=True, ping_pong=False, persistent=True,
-                        overlap_items=True), dict(q_segment_ids=True),
-                 id="d64-overlap_items_segments"),
     # The block-table walk (segment ids) and every modifier that reads per-item arrays.
     pytest.param(64, _K(64, 64, persistent=True, reverse_q_tiles=True), dict(
         q_segment_ids=True, logits_soft_cap=20.0, dropout_rate=0.1, kv_lengths=[203, 120]),
@@ -488,8 +457,6 @@ _LOWERED_VARIANTS = [
                     grid_order=("heads", "batch", "tiles"), persistent=True)}),
     (256, {"fwd": _K(64, 64, persistent=True)}),  # the output in two column halves
     (128, {"fwd": _K(64, 192, persistent=True)}),  # the output through the q tile
-    (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
-                     persistent=True, overlap_items=True)}),
     (128, {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
                      persistent_max_blocks=1 << 20, pair_q_tiles=True)}),
     (128, {"fwd": _VARIANTS["fwd_kv192_descriptors_in_step"]["fwd"]}),
@@ -769,27 +736,6 @@ def test_variant_over_shared_memory_says_so(head_dim, pass_, cfg):
         **{f"{pass_}_cfg": cfg})[0].astype(jnp.float32).sum())(q), q)
 
 
-def test_overlap_items_config():
-  """overlap_items needs the overlapped walk without turns, and room for two q tiles a warpgroup
-  beside an output tile (head_dim 128: 225 KiB; not at 256)."""
-  from pallas_attn.mosaic_gpu import common, fwd
-  with pytest.raises(ValueError, match="overlap_items .* needs overlap_qk=True and ping_pong"):
-    _K(64, 128, overlap_items=True)
-  with pytest.raises(ValueError, match="overlap_items .* needs overlap_qk=True and ping_pong"):
-    _K(64, 128, overlap_qk=True, overlap_items=True)
-  cfg = _K(64, 128, overlap_qk=True, ping_pong=False, persistent=True, overlap_items=True)
-  assert fwd.q_tiles_per_warpgroup(cfg) == 2
-  assert fwd.q_tiles_per_warpgroup(dataclasses.replace(cfg, persistent=False)) == 1
-  assert fwd.out_tile_columns(cfg, 128, jnp.bfloat16) == 128
-  assert common.smem_bytes(fwd.scratch_types(cfg, 128, jnp.bfloat16, False)) <= 227 * 1024
-  q = jnp.zeros((1, 256, 1, 256), jnp.bfloat16)
-  with pytest.raises(ValueError, match="overlap_items needs an output tile"):
-    jax.eval_shape(lambda q: ops.forward(q, q, q, None, None, scale=0.1,
-                                         spec=pallas_attn.MaskSpec(), interpret=False,
-                                         fwd_cfg=_K(64, 64, overlap_qk=True, ping_pong=False,
-                                                    persistent=True, overlap_items=True)), q)
-
-
 def test_overlap_qk_needs_two_slots():
   with pytest.raises(ValueError, match="overlap_qk needs stages >= 2"):
     _K(64, 128, stages=1, overlap_qk=True)
@@ -1035,9 +981,6 @@ def test_gpu_d64_backward_layouts(variant, case, seed):
     cases.check_case(case, "mosaic_gpu", seed=seed)
 
 
-# The table's head_dim 128 short-row forward (tile pairs) with `overlap_items`.
-_OVERLAP_ITEMS_PAIRS = _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
-                         persistent=True, pair_q_tiles=True, overlap_items=True)
 # Persistent forwards with many more (batch, head, q tile) items than the H200's 132 CTAs, so
 # every CTA walks several (the variant cases above have fewer items than SMs): name -> (batch,
 # seq, heads_q, heads_kv, head_dim, causal, q_lengths, kv_lengths, config).
@@ -1065,18 +1008,6 @@ _PERSISTENT_GPU = {
         16, 1024, 16, 16, 128, True, None, None,
         _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
            pair_q_tiles=True)),
-    # Each item's last P V under the next one's first QK^T (`overlap_items`), non-causal and
-    # causal in tile pairs, causal GQA with lengths (items past the rows, with no key), and
-    # single tiles at 16 blocks an item.
-    "b16_s1024_h16_d128_overlap_items": (16, 1024, 16, 16, 128, False, None, None,
-                                         _OVERLAP_ITEMS_PAIRS),
-    "b16_s1024_h16_d128_causal_pairs_overlap_items": (16, 1024, 16, 16, 128, True, None, None,
-                                                      _OVERLAP_ITEMS_PAIRS),
-    "b3_s1000_gqa4_d128_causal_lengths_overlap_items": (
-        3, 1000, 8, 2, 128, True, [1000, 617, 5], [1000, 555, 0], _OVERLAP_ITEMS_PAIRS),
-    "b1_s4096_h16_d128_overlap_items": (1, 4096, 16, 16, 128, False, None, None,
-                                        dataclasses.replace(_OVERLAP_ITEMS_PAIRS,
-                                                            pair_q_tiles=False)),
     "b16_s1024_h16_d128_q_after_walk": (
         16, 1024, 16, 16, 128, False, None, None,
         _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,

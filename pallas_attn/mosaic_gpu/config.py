@@ -128,16 +128,6 @@ class KernelConfig:
   # a branch (`pl.when(j == hi - 1)`) in every step of the loops (in the table at head_dim 128 and
   # 256).
   next_q_after_walk: bool = False
-  # Forward, persistent overlapped range walks (overlap_qk without the ping-pong turns): the
-  # items meet inside one step. The next item's first QK^T is issued with this item's last P V
-  # and its softmax runs while that P V is on the tensor cores (the steady state's step, across
-  # the boundary), and this item's output is stored after it: without it both warpgroups end an
-  # item with a P V and no softmax under it and start the next with a softmax and no P V under
-  # it, in lockstep, the tensor cores idle. q then has two tiles a warpgroup, the next item's
-  # loaded into the other at the start of this one (the output keeps its own tile; head_dim
-  # 128: 64 + 128 + 32 KiB). Where a warpgroup releases blocks between its two items' walks
-  # (ranges narrower than the CTA's), the boundary runs as without it.
-  overlap_items: bool = False
   # Forward: the persistent grid where the query tiles visit few key blocks (whatever
   # `persistent` says): at most `persistent_max_blocks` on average where the tiles visit about
   # as many (the largest within 25% of the mean: no mask, a window), at most
@@ -341,10 +331,6 @@ class KernelConfig:
     if self.overlap_qk and self.stages < 2:
       raise ValueError(f"overlap_qk needs stages >= 2 (V slot j - 1 is freed after tile j's K "
                        f"slot is waited for), got stages={self.stages}")
-    if self.overlap_items and not (self.overlap_qk and not self.ping_pong):
-      raise ValueError(f"overlap_items is a layout of the overlapped forward without the "
-                       f"ping-pong turns: it needs overlap_qk=True and ping_pong=False, got "
-                       f"overlap_qk={self.overlap_qk}, ping_pong={self.ping_pong}")
     if self.fused_dq and self.split_dkv:
       raise ValueError("fused_dq needs dK and dV from one launch (split_dkv=False)")
     if self.head_split and (self.split_dkv or self.dq_column_halves or self.co_issue_dq

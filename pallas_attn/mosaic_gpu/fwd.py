@@ -97,24 +97,6 @@ class _Work(NamedTuple):
     return self.cta_lo + i if self.cta_list is None else self.cta_list.block(i)
 
 
-class _Pending(NamedTuple):
-  """A persistent warpgroup's last item, whose last P V and output are left to the next item's
-  first step (`KernelConfig.overlap_items`): its state after its last softmax."""
-  waits: Any  # bool: an item waits (else the rest are placeholders)
-  acc: Any
-  m: Any
-  l: Any
-  p: Any  # P of its last key block, and the rescale of acc that goes with it
-  alpha: Any
-  v_slot: Any  # the ring slot of its last key block
-  batch: Any
-  head: Any
-  # This warpgroup's tile (its first row over block_q: a row carried through the loop would
-  # lose the alignment Mosaic GPU's layout inference needs of its copies' offsets).
-  q_block: Any
-  q_length: Any
-
-
 @dataclasses.dataclass(frozen=True)
 class _Schedule:
   """The persistent grid's static schedule: `num_ctas` CTAs, CTA c takes work units c,
@@ -164,10 +146,6 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
-  wgs = cfg.compute_warpgroups
-  # cfg.overlap_items on a persistent grid's range walks (`_Pending`): q in two tiles a
-  # warpgroup, item i's in tile i % 2.
-  overlap_items = work_schedule is not None and cfg.overlap_items and table_refs is None
 
   def work_item(batch, head, q_tile_of) -> _Work:
     """The key blocks of query tile q_tile_of() of (batch, head): the union of its two
@@ -208,86 +186,16 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     not: the rows are padded to whole tiles of block_q, not of the CTA's rows_per_cta)."""
     return q_start < q_ref.shape[1]
 
-  def q_index(wg, buffer):
-    """This warpgroup's q tile in `qo_smem` (buffer b of two: tile b * wgs + wg)."""
-    return wg if isinstance(buffer, int) and buffer == 0 else buffer * wgs + wg
-
-  def q_copy(wg, batch, head, q_start, buffer=0):
-    """This warpgroup's q tile from global memory into its part of `qo_smem` (its tile
-    `buffer` of two with overlap_items)."""
+  def q_copy(wg, batch, head, q_start):
+    """This warpgroup's q tile from global memory into its part of `qo_smem`."""
     @pl.when(in_rows(q_start))
     def _():
-      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head],
-                              qo_smem.at[q_index(wg, buffer)], q_full.at[q_index(wg, buffer)])
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_start, block_q), head], qo_smem.at[wg],
+                              q_full.at[wg])
 
-  def store_output(wg, batch, head, q_start, q_length, acc, m_i, l_i, *, persistent: bool):
-    """A warpgroup's tile of the output (acc / l) and its lse, through shared memory (the
-    output tile of a persistent CTA when it has one, else the q tile) by TMA stores, which a
-    persistent CTA waits for before it rewrites those tiles, not here."""
-    out_smem = o_smem[0].at[wg] if o_smem else qo_smem.at[wg]
-    rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=common.WGMMA_ROW)
-    no_keys = l_i == 0.0
-    safe_l = jnp.where(no_keys, 1.0, l_i)
-    out = acc * common.broadcast_rows(1.0 / safe_l, acc.shape)
-    # Natural-log lse; +inf marks rows that saw no key (see numerics).
-    lse = jnp.where(no_keys | (rows >= q_length), numerics.EMPTY_LSE,
-                    (m_i + jnp.log2(safe_l)) * common.LN2)
-    out = out.astype(dtype)
-    rows_out = (batch, pl.ds(q_start, block_q), head)
-    out_columns = out_smem.shape[-1]  # (a persistent head_dim 256 forward: two halves in turn)
-    for part in range(head_dim // out_columns):
-      if persistent or part:  # the previous stores (this item's, or the last's) read the tile
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      columns = pl.ds(part * out_columns, out_columns)
-      out_smem[...] = out[:, part * out_columns:(part + 1) * out_columns]
-      if not part:
-        lse_smem.at[wg][...] = lse
-      plgpu.commit_smem()
-
-      @pl.when(in_rows(q_start))
-      def _store():
-        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[(*rows_out, columns)])
-        if not part:
-          plgpu.copy_smem_to_gmem(lse_smem.at[wg],
-                                  lse_ref.at[batch, head, pl.ds(q_start, block_q)])
-
-  def p_staging_of(wg):
-    """Where the interpreter stages P for P V (no register operands there); None compiled."""
-    return p_staging[0].at[wg] if p_staging else None
-
-  def finish_item(wg, item: _Pending, last_pv: bool = True):
-    """overlap_items: a waiting item's last P V (unless `last_pv` is False) and its output."""
-    acc = item.acc
-    if last_pv:
-      plgpu.barrier_wait(v_full.at[item.v_slot])
-      acc = common.matmul_acc(acc * common.broadcast_rows(item.alpha, acc.shape), item.p,
-                              v_smem.at[item.v_slot], p_staging_of(wg))
-      plgpu.barrier_arrive(v_free.at[item.v_slot])
-    store_output(wg, item.batch, item.head, item.q_block * block_q, item.q_length, acc, item.m,
-                 item.l, persistent=True)
-
-  def no_item() -> _Pending:
-    """overlap_items: the state before a warpgroup's first item (nothing waits)."""
-    rows = lambda value: plgpu.layout_cast(jnp.full((block_q,), value, jnp.float32),
-                                           common.WGMMA_ROW)
-    zero = jnp.int32(0)
-    return _Pending(
-        jnp.bool_(False),
-        plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), common.WGMMA),
-        rows(numerics.M_INIT), rows(0.0),
-        plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), common.WGMMA), rows(1.0),
-        zero, zero, zero, zero, zero)
-
-  def consume(wg, work: _Work, slot_base=None, next_q=None, waiting: _Pending | None = None,
-              q_buffer=0):
+  def consume(wg, work: _Work, slot_base=None, next_q=None):
     """Compute warpgroup wg's rows of one work item, from loading its q (non-persistent) to
     storing its output and lse.
-
-    overlap_items (`waiting` given: the item before, or `no_item()`; `q_buffer`: this item's q
-    tile, of two): `next_q()` loads the next item's q into the other tile first thing; the
-    item before ends in this item's first step where it can (`bridge`), else before this
-    item's walk (`finish_item`); returns this item as the `_Pending` of the next, or with
-    `waits` False once its output is stored already.
 
     Persistent (`slot_base` given: the ring's running count before this item): q was loaded
     before; `next_q()` loads the next item's q into this warpgroup's q tile, which happens right
@@ -298,16 +206,15 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     batch, head, kv_length, q_length = work.batch, work.head, work.kv_length, work.q_length
     cta_lo, cta_hi, cta_list = work.cta_lo, work.cta_hi, work.cta_list
     q_start = work.cta_start + wg * block_q
+    q_smem = qo_smem.at[wg]
+    out_smem = o_smem[0].at[wg] if o_smem else q_smem
     # The q tile QK^T reads at every step; with cfg.tile_descriptors_in_step its wgmma
     # descriptors are built there (`common.same_tile_index`) instead of held across the walk.
-    q_at = q_index(wg, q_buffer)
-    q_tile = lambda: qo_smem.at[common.same_tile_index(q_at, cfg.tile_descriptors_in_step)]
+    q_tile = lambda: qo_smem.at[common.same_tile_index(wg, cfg.tile_descriptors_in_step)]
     if not persistent:
       q_copy(wg, batch, head, q_start)
-    if waiting is not None:  # (the other tile held the q of the item before, read by now)
-      next_q()
     # The next item's q, as soon as this one's is free (after the last QK^T of a range walk).
-    q_after_last_qk = persistent and bool(o_smem) and cta_list is None and waiting is None
+    q_after_last_qk = persistent and bool(o_smem) and cta_list is None
     # cfg.next_q_after_walk: the same load once the walk's loops are done (no branch in them).
     q_after_walk = q_after_last_qk and cfg.next_q_after_walk
     q_after_last_qk = q_after_last_qk and not q_after_walk
@@ -400,7 +307,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       else:
         plgpu.barrier_wait(v_full.at[slot])
 
-    staging = p_staging_of(wg)
+    staging = p_staging[0].at[wg] if p_staging else None
 
     def step(slot, j, carry, *, masked: bool):
       """Key block j, in ring slot `slot`."""
@@ -485,66 +392,12 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
       plgpu.barrier_arrive(v_free.at[last])
       return acc, m_i, l_i, p, alpha
 
-    def bridge(carry):
-      """overlap_items: tile lo's S and softmax (`first_step`'s) with the waiting item's last
-      P V on the tensor cores, its V slot the ring's last before lo's (nothing released
-      between them); then the waiting item's output."""
-      acc, m_i, l_i, _, _ = carry
-      slot = slot_of(lo)
-      cols = scores.columns(lo, block_kv, masked=True)
-      plgpu.barrier_wait(k_full.at[slot])
-      plgpu.barrier_wait(v_full.at[waiting.v_slot])
-      p_init = plgpu.layout_cast(jnp.zeros((block_q, block_kv), jnp.float32), common.WGMMA)
-      done, (p, m_new, l_i, alpha) = common.matmul_then_rescaled_acc(
-          (q_tile(), k_smem.at[slot].T, (block_q, block_kv)), waiting.acc, waiting.alpha,
-          waiting.p, v_smem.at[waiting.v_slot], after_issue=lambda: None,
-          between=softmax_after_qk(lo, slot, cols, True, m_i, l_i),
-          between_init=(p_init, m_i, l_i, waiting.alpha), staging=staging)
-      plgpu.barrier_arrive(v_free.at[waiting.v_slot])
-      finish_item(wg, waiting._replace(acc=done), last_pv=False)
-      return acc, m_new, l_i, p.astype(dtype), alpha
-
-    def steady_walk(carry):
-      """The overlapped steps after tile lo's (past hi when there is no tile: none runs)."""
-      start = lo + 1
-      return common.masked_loops(start, jnp.maximum(full_lo, start),
-                                 jnp.maximum(full_hi, jnp.maximum(full_lo, start)), hi,
-                                 overlapped_step, carry)
-
-    def walk_after(waiting: _Pending) -> _Pending:
-      """overlap_items: this item's range walk, the item before ending in tile lo's step where
-      no block is released between the two (which would wait for the slot its last P V holds),
-      else before the releases; returns this item as the next one's `_Pending`. The fresh
-      accumulator joins the carry after tile lo's step, and P and alpha only there, so what is
-      live across the item before's last P V is the steady step's (its acc, S, its P)."""
-      release_block = lambda j, c: release_in_turn(slot_of(j), c)
-      bridged = waiting.waits & (lo < hi) & (lo == cta_lo)
-      pl.when(waiting.waits & ~bridged)(lambda: finish_item(wg, waiting))
-      lax.fori_loop(cta_lo, lo, release_block, None)
-      no_tile = lambda c: (*c[:3], plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype),
-                                                     common.WGMMA),
-                           plgpu.layout_cast(jnp.ones((block_q,), jnp.float32), common.WGMMA_ROW))
-      first = lambda c: lax.cond(lo < hi, first_step, no_tile, c)
-      _, m_i, l_i, p, alpha = lax.cond(bridged, bridge, first, (None, *row_stats(), None, None))
-      carry = steady_walk((zero_acc(), m_i, l_i, p, alpha))
-      # This item waits for the next one's first step, unless it releases blocks after its walk
-      # (their slots come before the next item's) or has no block.
-      this = _Pending((lo < hi) & (hi == cta_hi), *carry, slot_of(hi - 1), batch, head,
-                      lax.div(q_start, block_q), q_length)
-      pl.when(~this.waits & (lo < hi))(lambda: finish_item(wg, this))
-      pl.when(hi <= lo)(lambda: finish_item(wg, this, last_pv=False))
-      lax.fori_loop(hi, cta_hi, release_block, None)
-      return this
-
-    zero_acc = lambda: plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32),
-                                         common.WGMMA)
-    row_stats = lambda: (  # m and l before the first key
+    pl.when(in_rows(q_start))(lambda: plgpu.barrier_wait(q_full.at[wg]))
+    carry = (
+        plgpu.layout_cast(jnp.zeros((block_q, head_dim), jnp.float32), common.WGMMA),
         plgpu.layout_cast(jnp.full((block_q,), numerics.M_INIT, jnp.float32), common.WGMMA_ROW),
-        plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), common.WGMMA_ROW))
-    pl.when(in_rows(q_start))(lambda: plgpu.barrier_wait(q_full.at[q_at]))
-    if waiting is not None:  # (a persistent CTA's overlapped range walks: `_kernel` says)
-      return walk_after(waiting)
-    carry = (zero_acc(), *row_stats())
+        plgpu.layout_cast(jnp.zeros((block_q,), jnp.float32), common.WGMMA_ROW),
+    )
     overlapped = cfg.overlap_qk and cta_list is None
     if not overlapped:
       pl.when(wg == 1)(meet)  # offsets the two warpgroups by one meeting
@@ -562,7 +415,11 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
         carry += (plgpu.layout_cast(jnp.zeros((block_q, block_kv), dtype), common.WGMMA),
                   plgpu.layout_cast(jnp.ones((block_q,), jnp.float32), common.WGMMA_ROW))
         keep = lambda c: c
-        carry = steady_walk(lax.cond(lo < hi, first_step, keep, carry))
+        carry = lax.cond(lo < hi, first_step, keep, carry)
+        start = lo + 1  # (past hi when there is no tile: the loops below run zero times)
+        carry = common.masked_loops(start, jnp.maximum(full_lo, start),
+                                    jnp.maximum(full_hi, jnp.maximum(full_lo, start)), hi,
+                                    overlapped_step, carry)
         if q_after_walk:  # every QK^T of the item is done (its softmax read it)
           next_q()
         carry = lax.cond(lo < hi, last_pv, keep, carry)[:3]
@@ -580,7 +437,32 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
     elif not persistent:
       last_turn(wg)
     acc, m_i, l_i = carry
-    store_output(wg, batch, head, q_start, q_length, acc, m_i, l_i, persistent=persistent)
+
+    rows = q_start + plgpu.broadcasted_iota(jnp.int32, (block_q,), 0, layout=common.WGMMA_ROW)
+    no_keys = l_i == 0.0
+    safe_l = jnp.where(no_keys, 1.0, l_i)
+    out = acc * common.broadcast_rows(1.0 / safe_l, acc.shape)
+    # Natural-log lse; +inf marks rows that saw no key (see numerics).
+    lse = jnp.where(no_keys | (rows >= q_length), numerics.EMPTY_LSE,
+                    (m_i + jnp.log2(safe_l)) * common.LN2)
+    out = out.astype(dtype)
+    rows_out = (batch, pl.ds(q_start, block_q), head)
+    out_columns = out_smem.shape[-1]  # (a persistent head_dim 256 forward: two halves in turn)
+    for part in range(head_dim // out_columns):
+      if persistent or part:  # the previous stores (this item's, or the last's) read the tile
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      columns = pl.ds(part * out_columns, out_columns)
+      out_smem[...] = out[:, part * out_columns:(part + 1) * out_columns]
+      if not part:
+        lse_smem.at[wg][...] = lse
+      plgpu.commit_smem()
+
+      @pl.when(in_rows(q_start))
+      def _store():
+        plgpu.copy_smem_to_gmem(out_smem, out_ref.at[(*rows_out, columns)])
+        if not part:
+          plgpu.copy_smem_to_gmem(lse_smem.at[wg],
+                                  lse_ref.at[batch, head, pl.ds(q_start, block_q)])
     if persistent:
       if not o_smem:  # the output went through the q tile: the next q waits for the store
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -593,7 +475,6 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
   if work_schedule is not None:
     _persistent(work_schedule, work_item, q_copy, consume, (first_turn, last_turn), cfg=cfg,
                 num_q_tiles=num_q_tiles,
-                item_ends=(no_item, finish_item) if overlap_items else None,
                 produce=functools.partial(common.kv_copies, k_ref, v_ref, k_smem, v_smem, k_full,
                                           v_full, k_free, v_free, block_kv=block_kv,
                                           split=split_kv_refills))
@@ -619,7 +500,7 @@ def _kernel(q_ref, k_ref, v_ref, q_len_ref, kv_len_ref, mod_refs, table_refs, ou
 
 
 def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, turn_ends, *, produce,
-                cfg: config_lib.KernelConfig, num_q_tiles: int, item_ends=None):
+                cfg: config_lib.KernelConfig, num_q_tiles: int):
   """The persistent grid's CTA (`cfg.persistent`): every warpgroup walks the CTA's work items
   (`work_schedule`) in the same order. The producer keeps one K/V ring across them (slot = its
   running count % stages, drained once at the end); each compute warpgroup carries the same
@@ -627,9 +508,7 @@ def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, turn_ends,
   and waits for its last output store at the end. The ping-pong meetings pair up within each
   item exactly as in a one-item CTA (warpgroup 1's offset meeting first, warpgroup 0's closing
   one last), and overlap_qk's turns alternate across the items (`turn_ends`: where the CTA's
-  first turn is handed over and its last one taken). `item_ends` (`KernelConfig.overlap_items`:
-  (no_item, finish_item)): each item is handed to the next as a `_Pending`, q alternating
-  between two tiles, and the last one is finished after the walk."""
+  first turn is handed over and its last one taken)."""
   cta = lax.axis_index(_SM_AXIS)
   wg = lax.axis_index("wg")
   num_items = work_schedule.count(cta)
@@ -664,27 +543,11 @@ def _persistent(work_schedule: _Schedule, work_item, q_copy, consume, turn_ends,
   def _consumer():
     plgpu.set_max_registers(cfg.compute_registers, action="increase")
 
-    def load_q(step, buffer=0):
+    def load_q(step):
       batch, head, q_tile = coords(step)
-      q_copy(wg, batch, head, q_tile * cfg.rows_per_cta + wg * cfg.block_q, buffer)
+      q_copy(wg, batch, head, q_tile * cfg.rows_per_cta + wg * cfg.block_q)
 
     load_q(0)
-    if item_ends is not None:
-      no_item, finish_item = item_ends
-
-      def consume_overlapped(step, carry):
-        slot_base, waiting = carry
-        work = item(step)
-        q_buffer = lax.rem(step, 2)
-        next_q = lambda: pl.when(step + 1 < num_items)(lambda: load_q(step + 1, 1 - q_buffer))
-        waiting = consume(wg, work, slot_base=slot_base, next_q=next_q, waiting=waiting,
-                          q_buffer=q_buffer)
-        return slot_base + work.num_blocks(), waiting
-
-      _, waiting = lax.fori_loop(0, num_items, consume_overlapped, (jnp.int32(0), no_item()))
-      pl.when(waiting.waits)(lambda: finish_item(wg, waiting))
-      plgpu.wait_smem_to_gmem(0, wait_read_only=cfg.read_only_store_wait)
-      return
 
     def consume_item(step, slot_base):
       work = item(step)
@@ -730,10 +593,6 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
   if cfg.runs_persistent(_tile_blocks(spec, num_q_tiles, cfg, kv_len)):
     # One CTA per SM walks the items of that grid (`_Schedule`).
     cfg = dataclasses.replace(cfg, persistent=True)
-    if cfg.overlap_items and not out_tile_columns(cfg, head_dim, q.dtype):
-      raise ValueError(f"overlap_items needs an output tile beside two q tiles a warpgroup "
-                       f"and the K/V ring in shared memory; head_dim {head_dim} with {cfg} "
-                       f"has no room for one")
     paired = cfg.pair_q_tiles and num_q_tiles % 2 == 0  # (an odd count: single tiles)
     units = tuple((name, size // 2 if paired and name == "q_tiles" else size)
                   for name, size in zip(grid_names, grid))
@@ -770,9 +629,10 @@ def out_tile_columns(cfg: config_lib.KernelConfig, head_dim: int, dtype) -> int:
   persistent: the output goes through the q tile."""
   if not cfg.persistent:
     return 0
+  without = scratch_types(dataclasses.replace(cfg, persistent=False), head_dim, dtype, False)
   # (A half is a whole number of 64-column tiles: 128-byte swizzled rows of 2-byte elements.)
   for columns in (head_dim, head_dim // 2) if head_dim >= 128 else (head_dim,):
-    if common.smem_bytes(_scratch(cfg, head_dim, dtype, False, columns)) <= config_lib.SMEM_BYTES:
+    if common.smem_bytes([*without, _out_tile(cfg, columns, dtype)]) <= config_lib.SMEM_BYTES:
       return columns
   return 0
 
@@ -784,32 +644,18 @@ def _out_tile(cfg: config_lib.KernelConfig, columns: int, dtype):
 
 def scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
   """The forward kernel's shared memory and barriers (the order `_kernel` takes them in)."""
-  return _scratch(cfg, head_dim, dtype, interpret, out_tile_columns(cfg, head_dim, dtype))
-
-
-def q_tiles_per_warpgroup(cfg: config_lib.KernelConfig) -> int:
-  """2 where a persistent forward overlaps its items (the next item's q loads into the other
-  tile while this one's is read), else 1."""
-  return 2 if cfg.persistent and cfg.overlap_items else 1
-
-
-def _scratch(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool,
-             out_columns: int) -> list:
-  """`scratch_types` with an output tile of `out_columns` columns a warpgroup (0: none)."""
   wgs = cfg.compute_warpgroups
-  q_tiles = q_tiles_per_warpgroup(cfg) * wgs
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
+  out_columns = out_tile_columns(cfg, head_dim, dtype)
   return [
-      # q in, then o out (unless the next), per warpgroup; tile b * wgs + wg with two a
-      # warpgroup
-      tile(q_tiles, cfg.block_q, head_dim),
+      tile(wgs, cfg.block_q, head_dim),  # q in, then o out (unless the next), per warpgroup
       tile(cfg.stages, cfg.block_kv, head_dim),  # k ring
       tile(cfg.stages, cfg.block_kv, head_dim),  # v ring
       plgpu.SMEM((wgs, cfg.block_q), jnp.float32),  # lse out
       # o out (persistent, when it fits: `out_tile_columns`)
       (_out_tile(cfg, out_columns, dtype),) if out_columns else (),
       common.staging_scratch(interpret, (wgs, cfg.block_q, cfg.block_kv), dtype),
-      plgpu.Barrier(num_barriers=q_tiles),  # q loaded
+      plgpu.Barrier(num_barriers=wgs),  # q loaded
       plgpu.Barrier(num_barriers=cfg.stages),  # k slot filled
       plgpu.Barrier(num_barriers=cfg.stages),  # v slot filled
       plgpu.Barrier(num_arrivals=wgs, num_barriers=cfg.stages),  # k slot free
