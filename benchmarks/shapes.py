@@ -182,6 +182,12 @@ PRESETS = {
     # head_dim 64's short rows (N = 512 / 1024 / 2048, causal and not), where the fixed passes
     # around the kernels weigh most.
     "d64_short": lambda: fa_sweep(seqs=(512, 1024, 2048), head_dims=(64,)),
+    # The causal rows the persistent forward runs (the forward's schedule under a skewed load):
+    # head_dim 128 and 256 from N 2048, GQA 32 / 8, head_dim 64 up to N 8192.
+    "causal_persistent": lambda: (fa_sweep(seqs=(2048, 4096, 8192, 16384), head_dims=(128, 256),
+                                           causal=(True,))
+                                  + gqa() + fa_sweep(seqs=(2048, 4096, 8192), head_dims=(64,),
+                                                     causal=(True,))),
     # benchmarks/tune.py's CPU smoke test: one causal shape, one head.
     "tune_smoke": lambda: [Shape(1, 96, 96, 1, 1, 64, True, "cpu")],
     "none": lambda: [],

@@ -203,6 +203,12 @@ _VARIANTS = {
                                    persistent_max_blocks=4, persistent_max_blocks_skewed=3,
                                    pair_q_tiles=True)},
     "persistent_pairs_ping_pong": {"fwd": _K(64, 64, persistent=True, pair_q_tiles=True)},
+    # The same where skewed with the snake schedule: single tiles heaviest first, the rounds
+    # alternating direction (16 units on 3 CTAs: the last, partial round runs backwards; 32
+    # units: forwards).
+    "persistent_snake": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
+                                   persistent_max_blocks=4, persistent_max_blocks_skewed=3,
+                                   pair_q_tiles=True, snake_skewed=True)},
     # The forward's q tile indexed in the step (its QK^T descriptors built there): the
     # overlapped walk at block_kv 192 (and the plain one below, three warpgroups).
     "fwd_kv192_descriptors_in_step": {"fwd": _K(64, 192, overlap_qk=True, ping_pong=False,
@@ -314,6 +320,9 @@ _VARIANT_CASES = [
                                                                    q_lengths=[460, 201])),
     ("persistent_pairs", cases.get_case("mha_17x17").replace(q_len=113, kv_len=600,
                                                              name="mha_113x600")),
+    ("persistent_snake", _GQA_CAUSAL_203),
+    ("persistent_snake", _GQA_CAUSAL_LENGTHS_330.replace(q_len=460, kv_len=460,
+                                                         q_lengths=[460, 201])),
     ("fwd_kv192_descriptors_in_step", _CAUSAL_203),
     ("fwd_kv192_descriptors_in_step", _GQA_CAUSAL_LENGTHS_330),
     ("three_warpgroups_persistent_descriptors_in_step", _GQA_CAUSAL_203),
@@ -643,27 +652,40 @@ def test_variant_kernels_lower_for_cuda(head_dim, configs):
   assert lowered.as_text().count("mosaic_gpu_v2") >= (2 if fused_dq else 3)
 
 
-@pytest.mark.parametrize("paired", [False, True])
-@pytest.mark.parametrize("num_q_tiles,units_other,num_ctas", [(8, 32, 132), (4, 6, 5), (2, 3, 7)])
-def test_persistent_schedule_covers_every_item_once(paired, num_q_tiles, units_other, num_ctas):
-  """Every (batch x head, q tile) item goes to exactly one CTA step; with pairs each unit is
-  tiles T - 1 - t and t, so under a causal mask every CTA's load is whole units of T + 1 tiles,
-  and the CTAs' loads differ by one unit at most."""
+@pytest.mark.parametrize("schedule_kind,num_q_tiles,units_other,num_ctas", [
+    (kind, *shape) for kind in ("strided", "paired", "snake")
+    for shape in ((8, 32, 132), (4, 6, 5), (2, 3, 7), (128, 16, 132), (5, 7, 4))
+    if not (kind == "paired" and shape[0] % 2)])  # (pairs: an even tile count)
+def test_persistent_schedule_covers_every_item_once(schedule_kind, num_q_tiles, units_other,
+                                                    num_ctas):
+  """Every (batch x head, q tile) item goes to exactly one CTA step. Under a causal mask (tile
+  t of T weighs t + 1 key blocks): with pairs each unit is tiles T - 1 - t and t, so every
+  CTA's load is whole units of T + 1 tiles, and the CTAs' loads differ by one unit at most;
+  the snake (units heaviest first: the forward reverses the q tiles, as here) balances single
+  tiles to within one tile, and at b1 h16 N 16384 (128 tiles of 128 rows on 132 CTAs) to 0.3%
+  of the mean load, where the 1024 pairs leave the most loaded CTA 3% over it."""
   from pallas_attn.mosaic_gpu import fwd
+  paired, snake = schedule_kind == "paired", schedule_kind == "snake"
   tiles = num_q_tiles // 2 if paired else num_q_tiles
   sizes = (("heads", units_other), ("q_tiles", tiles))
   total = units_other * tiles
-  schedule = fwd._Schedule(sizes, min(num_ctas, total), num_q_tiles if paired else 0)
+  schedule = fwd._Schedule(sizes, min(num_ctas, total), num_q_tiles if paired else 0, snake)
+  weight = (lambda t: num_q_tiles - t) if snake else (lambda t: t + 1)  # (the snake's reversed)
   seen, loads = [], []
   for cta in range(schedule.num_ctas):
     steps = int(schedule.count(cta))
     items = [schedule.item(cta, step) for step in range(steps)]
     seen += [(int(c["heads"]), int(c["q_tiles"])) for c in items]
-    loads.append(sum(int(c["q_tiles"]) + 1 for c in items))  # causal: key blocks of a tile
+    loads.append(sum(weight(int(c["q_tiles"])) for c in items))
   assert sorted(seen) == [(h, t) for h in range(units_other) for t in range(num_q_tiles)]
+  mean = sum(loads) / len(loads)
   if paired:
     assert all(load % (num_q_tiles + 1) == 0 for load in loads), loads
     assert max(loads) - min(loads) <= num_q_tiles + 1, loads
+  if snake:
+    assert max(loads) - min(loads) <= num_q_tiles, loads
+  if (num_q_tiles, units_other, num_ctas) == (128, 16, 132) and schedule_kind != "strided":
+    assert max(loads) / mean < (1.005 if snake else 1.04), (schedule_kind, max(loads) / mean)
 
 
 def _all_eqns(jaxpr):
@@ -1020,6 +1042,15 @@ _PERSISTENT_GPU = {
         4, 2048, 32, 32, 64, True, None, None,
         dataclasses.replace(_THREE_WGS, persistent=True, pair_q_tiles=True,
                             next_q_after_walk=True)),
+    # The snake schedule as the table would run it at head_dim 128 and 256 (causal rows).
+    "b4_s4096_h16_d128_causal_snake": (
+        4, 4096, 16, 16, 128, True, None, None,
+        _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
+           pair_q_tiles=True, next_q_after_walk=True, snake_skewed=True)),
+    "b3_s1000_gqa4_d256_causal_lengths_snake": (
+        3, 1000, 8, 2, 256, True, [1000, 617, 5], [1000, 555, 0],
+        _K(64, 64, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
+           pair_q_tiles=True, next_q_after_walk=True, snake_skewed=True)),
     "b4_s4096_h32_d64_causal_pairs": (
         4, 4096, 32, 32, 64, True, None, None,
         _K(64, 128, fold_scale=True, persistent=True, pair_q_tiles=True)),

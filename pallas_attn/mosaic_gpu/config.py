@@ -144,6 +144,15 @@ class KernelConfig:
   # key blocks) and the static schedule stays balanced. Where T is odd, single tiles; without a
   # persistent grid, nothing.
   pair_q_tiles: bool = False
+  # Forward, persistent, where the query tiles are skewed (causal; `skewed_schedule`): units
+  # are single tiles numbered heaviest first (the q tiles axis slowest and reversed, the other
+  # axes in grid_order), and the rounds alternate direction: CTA c takes unit r * C + c in even
+  # rounds r and r * C + C - 1 - c in odd ones, so a CTA that got a heavier tile in one round
+  # gets a lighter one in the next. Pairs make 1024 equal units of the sweep's shapes (batch x
+  # N = 16384 at 128 rows a tile), 7.76 rounds over 132 CTAs whose last one is three quarters
+  # full (3% of the makespan); the snake's loads differ by about one tile's spread a round.
+  # Overrides pair_q_tiles where it applies.
+  snake_skewed: bool = False
   # dQ and dK/dV, head_dim 256 (and 128): both compute warpgroups share one tile of block_q
   # query rows (dQ) or block_kv key rows (dK/dV); warpgroup 0 makes S, P and dS, warpgroup 1 dP,
   # the tiles meeting in shared memory, and each accumulates one half of the accumulators'
@@ -292,6 +301,10 @@ class KernelConfig:
     if mean is None:
       return False
     return mean <= (self.persistent_max_blocks_skewed if skewed else self.persistent_max_blocks)
+
+  def snakes(self, tile_blocks) -> bool:
+    """Whether the persistent forward walks `tile_blocks` in `snake_skewed`'s schedule."""
+    return self.snake_skewed and _mean_and_skew(tile_blocks)[1]
 
   def fuses_dq(self, key_tile_blocks) -> bool:
     """Whether the backward makes dQ in this dK/dV config's kernel, its key tiles visiting

@@ -106,10 +106,12 @@ class _Schedule:
   walked in that order: under a causal mask every such unit sees T + 1 tiles' worth of key
   blocks (tiles of rows_per_cta rows), so a static schedule of them is as balanced as a
   non-causal one (strided single tiles are not: 132 CTAs over 8 tiles a head give some CTAs
-  mostly the heaviest tiles)."""
+  mostly the heaviest tiles). With `snake` (`KernelConfig.snake_skewed`: the units single tiles
+  numbered heaviest first), round r's units go to the CTAs in reverse order where r is odd."""
   sizes: tuple[tuple[str, int], ...]  # (axis, size) of the units in `order`
   num_ctas: int
   paired_tiles: int = 0  # T when units are tile pairs (the q_tiles axis then counts T / 2)
+  snake: bool = False
 
   @property
   def total(self) -> int:
@@ -122,12 +124,21 @@ class _Schedule:
 
   def count(self, cta):
     """Items of CTA `cta` (at least 1: there are at most as many CTAs as units)."""
+    if self.snake:  # the last, partial round's units go to CTAs 0.. or C - 1.. as it runs
+      rounds, rest = divmod(self.total, self.num_ctas)
+      return jnp.where(self._in_round(rounds, cta) < rest, rounds + 1, rounds)
     return (lax.div(self.total - 1 - cta, self.num_ctas) + 1) * self.items_per_unit
+
+  def _in_round(self, round_, cta):
+    """CTA `cta`'s unit in round `round_`, counted from the round's first."""
+    if not self.snake:
+      return cta
+    return jnp.where((round_ & 1) == 0, cta, self.num_ctas - 1 - cta)
 
   def item(self, cta, step) -> dict:
     """{axis: index} of CTA `cta`'s item number `step`."""
     unit_step = lax.div(step, 2) if self.paired_tiles else step
-    index, coords = unit_step * self.num_ctas + cta, {}
+    index, coords = unit_step * self.num_ctas + self._in_round(unit_step, cta), {}
     for axis, size in self.sizes:
       coords[axis] = lax.rem(index, size)
       index = lax.div(index, size)
@@ -588,17 +599,24 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
                      f"query blocks; the forward was given compute_warpgroups="
                      f"{cfg.compute_warpgroups} (`KernelConfig.two_warpgroups`)")
   num_q_tiles = -(-q_len // cfg.rows_per_cta)  # (3 warpgroups: the last may be partly past)
+  tile_blocks = _tile_blocks(spec, num_q_tiles, cfg, kv_len)
+  persistent = cfg.runs_persistent(tile_blocks)
+  snake = persistent and cfg.snakes(tile_blocks)
+  if snake:  # heaviest first: a causal mask's later tiles see more keys
+    cfg = dataclasses.replace(cfg, reverse_q_tiles=True, grid_order=(
+        *(axis for axis in cfg.grid_order if axis != "tiles"), "tiles"))
   grid, grid_names = cfg.grid(heads=heads_q, tiles=num_q_tiles, batch=batch, tile_axis="q_tiles")
   work_schedule = None
-  if cfg.runs_persistent(_tile_blocks(spec, num_q_tiles, cfg, kv_len)):
+  if persistent:
     # One CTA per SM walks the items of that grid (`_Schedule`).
     cfg = dataclasses.replace(cfg, persistent=True)
-    paired = cfg.pair_q_tiles and num_q_tiles % 2 == 0  # (an odd count: single tiles)
+    # (an odd count: single tiles)
+    paired = cfg.pair_q_tiles and num_q_tiles % 2 == 0 and not snake
     units = tuple((name, size // 2 if paired and name == "q_tiles" else size)
                   for name, size in zip(grid_names, grid))
     num_ctas = INTERPRET_CTAS if interpret else num_sms()
     total = math.prod(size for _, size in units)
-    work_schedule = _Schedule(units, min(num_ctas, total), num_q_tiles if paired else 0)
+    work_schedule = _Schedule(units, min(num_ctas, total), num_q_tiles if paired else 0, snake)
     grid, grid_names = (work_schedule.num_ctas,), (_SM_AXIS,)
   kernel = functools.partial(_kernel, spec=spec, scale=scale, cfg=cfg, num_q_tiles=num_q_tiles,
                              num_kv_blocks=kv_len // cfg.block_kv, groups=heads_q // heads_kv,
