@@ -150,8 +150,9 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_persistent_pairs_ro": {"fwd": dict(persistent=True, pair_q_tiles=True,
                                             read_only_store_wait=True)},
     # Causal rows as single tiles heaviest first, the rounds alternating direction, instead of
-    # pairs (session 30).
-    "fwd_snake": {"fwd": dict(snake_skewed=True)},
+    # pairs (session 30): at every number of (batch, kv head)s, and never.
+    "fwd_snake": {"fwd": dict(snake_max_kv_heads=1 << 20)},
+    "fwd_no_snake": {"fwd": dict(snake_max_kv_heads=0)},
     # The one-tile-a-CTA grid where the table runs short rows persistent (session 12).
     "fwd_not_persistent": {"fwd": dict(persistent=False, persistent_max_blocks=0,
                                        persistent_max_blocks_skewed=0)},

@@ -208,7 +208,7 @@ _VARIANTS = {
     # units: forwards).
     "persistent_snake": {"fwd": _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True,
                                    persistent_max_blocks=4, persistent_max_blocks_skewed=3,
-                                   pair_q_tiles=True, snake_skewed=True)},
+                                   pair_q_tiles=True, snake_max_kv_heads=4)},
     # The forward's q tile indexed in the step (its QK^T descriptors built there): the
     # overlapped walk at block_kv 192 (and the plain one below, three warpgroups).
     "fwd_kv192_descriptors_in_step": {"fwd": _K(64, 192, overlap_qk=True, ping_pong=False,
@@ -711,6 +711,12 @@ def test_persistent_max_blocks_picks_the_grid():
   assert not _K(64, 128, pair_q_tiles=True).runs_persistent([1])
   with pytest.raises(ValueError, match="persistent_max_blocks"):
     _K(64, 128, persistent_max_blocks=-1)
+  # The snake schedule: skewed tiles (causal) and at most snake_max_kv_heads (batch, kv head)s.
+  snake_cfg = _K(64, 128, snake_max_kv_heads=32)
+  assert snake_cfg.snakes([1, 2, 3, 4], 32) and not snake_cfg.snakes([1, 2, 3, 4], 33)
+  assert not snake_cfg.snakes([4, 4, 4], 1) and not cfg.snakes([1, 2, 3, 4], 1)
+  with pytest.raises(ValueError, match="snake_max_kv_heads"):
+    _K(64, 128, snake_max_kv_heads=-1)
   causal, full = pallas_attn.MaskSpec(is_causal=True), pallas_attn.MaskSpec()
   assert fwd._tile_blocks(causal, 4, cfg, 512) == [1, 2, 3, 4]
   assert fwd._tile_blocks(full, 2, cfg, 640) == [5, 5]
@@ -1046,11 +1052,11 @@ _PERSISTENT_GPU = {
     "b4_s4096_h16_d128_causal_snake": (
         4, 4096, 16, 16, 128, True, None, None,
         _K(64, 128, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
-           pair_q_tiles=True, next_q_after_walk=True, snake_skewed=True)),
+           pair_q_tiles=True, next_q_after_walk=True, snake_max_kv_heads=64)),
     "b3_s1000_gqa4_d256_causal_lengths_snake": (
         3, 1000, 8, 2, 256, True, [1000, 617, 5], [1000, 555, 0],
         _K(64, 64, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
-           pair_q_tiles=True, next_q_after_walk=True, snake_skewed=True)),
+           pair_q_tiles=True, next_q_after_walk=True, snake_max_kv_heads=64)),
     "b4_s4096_h32_d64_causal_pairs": (
         4, 4096, 32, 32, 64, True, None, None,
         _K(64, 128, fold_scale=True, persistent=True, pair_q_tiles=True)),

@@ -144,15 +144,18 @@ class KernelConfig:
   # key blocks) and the static schedule stays balanced. Where T is odd, single tiles; without a
   # persistent grid, nothing.
   pair_q_tiles: bool = False
-  # Forward, persistent, where the query tiles are skewed (causal; `skewed_schedule`): units
-  # are single tiles numbered heaviest first (the q tiles axis slowest and reversed, the other
-  # axes in grid_order), and the rounds alternate direction: CTA c takes unit r * C + c in even
-  # rounds r and r * C + C - 1 - c in odd ones, so a CTA that got a heavier tile in one round
-  # gets a lighter one in the next. Pairs make 1024 equal units of the sweep's shapes (batch x
-  # N = 16384 at 128 rows a tile), 7.76 rounds over 132 CTAs whose last one is three quarters
-  # full (3% of the makespan); the snake's loads differ by about one tile's spread a round.
-  # Overrides pair_q_tiles where it applies.
-  snake_skewed: bool = False
+  # Forward, persistent, where the query tiles are skewed (causal) and the call has at most
+  # this many (batch, kv head) pairs (0: never): units are single tiles numbered heaviest first
+  # (the q tiles axis slowest and reversed, the other axes in grid_order), and the rounds
+  # alternate direction: CTA c takes unit r * C + c in even rounds r and r * C + C - 1 - c in
+  # odd ones, so a CTA that got a heavier tile in one round gets a lighter one in the next.
+  # Pairs make 1024 equal units of the sweep's shapes (batch x N = 16384, 128-row tiles), 7.76
+  # rounds over 132 CTAs whose last one is three quarters full (3% of the makespan); the
+  # snake's loads differ by about one tile's spread a round. The bound: a heaviest-first round
+  # spreads its 132 CTAs over every (batch, kv head), so past ~32 of them each K/V is streamed
+  # by too few CTAs at once to be read from L2 (H100, d128 causal b8 N 2048, 128 of them: 0.68x
+  # the pairs; benchmarks/NOTES.md session 30). Overrides pair_q_tiles where it applies.
+  snake_max_kv_heads: int = 0
   # dQ and dK/dV, head_dim 256 (and 128): both compute warpgroups share one tile of block_q
   # query rows (dQ) or block_kv key rows (dK/dV); warpgroup 0 makes S, P and dS, warpgroup 1 dP,
   # the tiles meeting in shared memory, and each accumulates one half of the accumulators'
@@ -302,9 +305,10 @@ class KernelConfig:
       return False
     return mean <= (self.persistent_max_blocks_skewed if skewed else self.persistent_max_blocks)
 
-  def snakes(self, tile_blocks) -> bool:
-    """Whether the persistent forward walks `tile_blocks` in `snake_skewed`'s schedule."""
-    return self.snake_skewed and _mean_and_skew(tile_blocks)[1]
+  def snakes(self, tile_blocks, kv_heads: int) -> bool:
+    """Whether the persistent forward walks `tile_blocks` in `snake_max_kv_heads`'s schedule,
+    its call having `kv_heads` (batch, kv head) pairs."""
+    return kv_heads <= self.snake_max_kv_heads and _mean_and_skew(tile_blocks)[1]
 
   def fuses_dq(self, key_tile_blocks) -> bool:
     """Whether the backward makes dQ in this dK/dV config's kernel, its key tiles visiting
@@ -410,6 +414,8 @@ class KernelConfig:
                        f"{((wgs + 1) * launch - 24) // wgs // 8 * 8} with {wgs} compute "
                        f"warpgroups (the producer keeps at least 24), got "
                        f"{self.compute_registers}")
+    if self.snake_max_kv_heads < 0:
+      raise ValueError(f"snake_max_kv_heads must be >= 0, got {self.snake_max_kv_heads}")
     if min(self.persistent_max_blocks, self.persistent_max_blocks_skewed) < 0:
       raise ValueError(f"persistent_max_blocks ({self.persistent_max_blocks}) and "
                        f"persistent_max_blocks_skewed ({self.persistent_max_blocks_skewed}) "
@@ -500,14 +506,17 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     (64, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True, compute_warpgroups=3,
                               ping_pong=False, compute_registers=160, persistent_max_blocks=32,
                               **_SHORT_ROWS_PERSISTENT),
+    # head_dim 128 and 256: causal rows of at most 32 (batch, kv head)s in the snake schedule
+    # (H100, forward over the tile pairs: 1.03-1.04x at d128 / d256 N 16384 and GQA 32 / 8,
+    # 1.01x at N 8192; 0.68-0.98x at 64-128 of them; benchmarks/NOTES.md session 30).
     (128, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True, overlap_qk=True,
                                ping_pong=False, persistent_max_blocks=16,
                                **{**_SHORT_ROWS_PERSISTENT, "persistent_max_blocks_skewed": 100},
-                               next_q_after_walk=True),
+                               next_q_after_walk=True, snake_max_kv_heads=32),
     (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True, overlap_qk=True,
                                ping_pong=False, persistent_max_blocks=16,
                                **{**_SHORT_ROWS_PERSISTENT, "persistent_max_blocks_skewed": 160},
-                               next_q_after_walk=True),
+                               next_q_after_walk=True, snake_max_kv_heads=32),
     # head_dim 64's dQ kernel runs only where its dK/dV does not fuse dQ (causal rows of a few
     # blocks; see below): dP's wgmma co-issued in both kernels, as at 128 (H200, fwd+bwd at N
     # 512-2048 causal: 1.02-1.05x the separate kernels without it; NOTES session 14).

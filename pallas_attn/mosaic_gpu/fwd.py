@@ -106,7 +106,7 @@ class _Schedule:
   walked in that order: under a causal mask every such unit sees T + 1 tiles' worth of key
   blocks (tiles of rows_per_cta rows), so a static schedule of them is as balanced as a
   non-causal one (strided single tiles are not: 132 CTAs over 8 tiles a head give some CTAs
-  mostly the heaviest tiles). With `snake` (`KernelConfig.snake_skewed`: the units single tiles
+  mostly the heaviest tiles). With `snake` (`KernelConfig.snake_max_kv_heads`: the units single tiles
   numbered heaviest first), round r's units go to the CTAs in reverse order where r is odd."""
   sizes: tuple[tuple[str, int], ...]  # (axis, size) of the units in `order`
   num_ctas: int
@@ -601,7 +601,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
   num_q_tiles = -(-q_len // cfg.rows_per_cta)  # (3 warpgroups: the last may be partly past)
   tile_blocks = _tile_blocks(spec, num_q_tiles, cfg, kv_len)
   persistent = cfg.runs_persistent(tile_blocks)
-  snake = persistent and cfg.snakes(tile_blocks)
+  snake = persistent and cfg.snakes(tile_blocks, batch * heads_kv)
   if snake:  # heaviest first: a causal mask's later tiles see more keys
     cfg = dataclasses.replace(cfg, reverse_q_tiles=True, grid_order=(
         *(axis for axis in cfg.grid_order if axis != "tiles"), "tiles"))
