@@ -151,6 +151,7 @@ PRESETS = {
     # head_dim 128 at the FlashAttention sweep's other lengths (the anchors' complement).
     "d128_rest": lambda: fa_sweep(seqs=(512, 1024, 2048, 8192), head_dims=(128,)),
     "long": long_context,
+    "long_causal": lambda: long_context(causal=(True,)),
     "gqa": gqa,
     "decode": decode,
     "masked": masked,

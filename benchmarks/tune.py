@@ -153,6 +153,9 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # pairs (session 30): at every number of (batch, kv head)s, and never.
     "fwd_snake": {"fwd": dict(snake_max_kv_heads=1 << 20)},
     "fwd_no_snake": {"fwd": dict(snake_max_kv_heads=0)},
+    # Causal rows persistent (in the snake where it applies) up to 300 key blocks a tile on
+    # average: N 32768 / 65536 at head_dim 128, one tile a CTA in the table.
+    "fwd_skewed300": {"fwd": dict(persistent_max_blocks_skewed=300)},
     # The one-tile-a-CTA grid where the table runs short rows persistent (session 12).
     "fwd_not_persistent": {"fwd": dict(persistent=False, persistent_max_blocks=0,
                                        persistent_max_blocks_skewed=0)},
