@@ -152,6 +152,10 @@ PRESETS = {
     "d128_rest": lambda: fa_sweep(seqs=(512, 1024, 2048, 8192), head_dims=(128,)),
     "long": long_context,
     "long_causal": lambda: long_context(causal=(True,)),
+    # Causal N 32768 with more (batch, kv head)s (the snake's bound: 32) and at head_dim 256.
+    "long_causal_batched": lambda: ([Shape(b, 32768, 32768, 16, 16, 128, True, "long")
+                                     for b in (2, 4)]
+                                    + [Shape(1, 32768, 32768, 8, 8, 256, True, "long")]),
     "gqa": gqa,
     "decode": decode,
     "masked": masked,
