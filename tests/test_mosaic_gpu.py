@@ -1057,6 +1057,10 @@ _PERSISTENT_GPU = {
         3, 1000, 8, 2, 256, True, [1000, 617, 5], [1000, 555, 0],
         _K(64, 64, overlap_qk=True, ping_pong=False, fold_scale=True, persistent=True,
            pair_q_tiles=True, next_q_after_walk=True, snake_max_kv_heads=64)),
+    # The table at causal N 32768 (persistent up to 300 key blocks a tile, in the snake; the
+    # "default" it is compared with is itself, so the check is the portable path's).
+    "b1_s32768_h16_d128_causal_table": (1, 32768, 16, 16, 128, True, None, None,
+                                        config_lib.DEFAULTS[(128, "fwd")]),
     "b4_s4096_h32_d64_causal_pairs": (
         4, 4096, 32, 32, 64, True, None, None,
         _K(64, 128, fold_scale=True, persistent=True, pair_q_tiles=True)),

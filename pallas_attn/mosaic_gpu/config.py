@@ -508,14 +508,16 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
                               **_SHORT_ROWS_PERSISTENT),
     # head_dim 128 and 256: causal rows of at most 32 (batch, kv head)s in the snake schedule
     # (H100, forward over the tile pairs: 1.03-1.04x at d128 / d256 N 16384 and GQA 32 / 8,
-    # 1.01x at N 8192; 0.68-0.98x at 64-128 of them; benchmarks/NOTES.md session 30).
+    # 1.01x at N 8192; 0.68-0.98x at 64-128 of them), and causal rows persistent up to 300 key
+    # blocks a tile on average (N 32768 at both; H100, over one tile a CTA: 1.02-1.06x at d128
+    # N 32768 / 65536, batch 1-4, and d256 N 32768; benchmarks/NOTES.md session 30).
     (128, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True, overlap_qk=True,
                                ping_pong=False, persistent_max_blocks=16,
-                               **{**_SHORT_ROWS_PERSISTENT, "persistent_max_blocks_skewed": 100},
+                               **{**_SHORT_ROWS_PERSISTENT, "persistent_max_blocks_skewed": 300},
                                next_q_after_walk=True, snake_max_kv_heads=32),
     (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True, overlap_qk=True,
                                ping_pong=False, persistent_max_blocks=16,
-                               **{**_SHORT_ROWS_PERSISTENT, "persistent_max_blocks_skewed": 160},
+                               **{**_SHORT_ROWS_PERSISTENT, "persistent_max_blocks_skewed": 300},
                                next_q_after_walk=True, snake_max_kv_heads=32),
     # head_dim 64's dQ kernel runs only where its dK/dV does not fuse dQ (causal rows of a few
     # blocks; see below): dP's wgmma co-issued in both kernels, as at 128 (H200, fwd+bwd at N
