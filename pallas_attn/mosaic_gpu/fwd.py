@@ -106,8 +106,9 @@ class _Schedule:
   walked in that order: under a causal mask every such unit sees T + 1 tiles' worth of key
   blocks (tiles of rows_per_cta rows), so a static schedule of them is as balanced as a
   non-causal one (strided single tiles are not: 132 CTAs over 8 tiles a head give some CTAs
-  mostly the heaviest tiles). With `snake` (`KernelConfig.snake_max_kv_heads`: the units single tiles
-  numbered heaviest first), round r's units go to the CTAs in reverse order where r is odd."""
+  mostly the heaviest tiles). With `snake` (`KernelConfig.snake_max_kv_heads`: the units are
+  single tiles numbered heaviest first), round r's units go to the CTAs in reverse order where r
+  is odd."""
   sizes: tuple[tuple[str, int], ...]  # (axis, size) of the units in `order`
   num_ctas: int
   paired_tiles: int = 0  # T when units are tile pairs (the q_tiles axis then counts T / 2)
@@ -610,8 +611,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
   if persistent:
     # One CTA per SM walks the items of that grid (`_Schedule`).
     cfg = dataclasses.replace(cfg, persistent=True)
-    # (an odd count: single tiles)
-    paired = cfg.pair_q_tiles and num_q_tiles % 2 == 0 and not snake
+    paired = cfg.pair_q_tiles and num_q_tiles % 2 == 0 and not snake  # (odd: single tiles)
     units = tuple((name, size // 2 if paired and name == "q_tiles" else size)
                   for name, size in zip(grid_names, grid))
     num_ctas = INTERPRET_CTAS if interpret else num_sms()
