@@ -187,6 +187,9 @@ PRESETS = {
     # head_dim 64's short rows (N = 512 / 1024 / 2048, causal and not), where the fixed passes
     # around the kernels weigh most.
     "d64_short": lambda: fa_sweep(seqs=(512, 1024, 2048), head_dims=(64,)),
+    # The persistent forward's short rows at head_dim 128 (N 512 / 1024 / 2048, causal and
+    # not: 4-16 key blocks a tile, where an item's ramp and epilogue weigh most).
+    "short_d128": lambda: fa_sweep(seqs=(512, 1024, 2048), head_dims=(128,)),
     # The causal rows the persistent forward runs (the forward's schedule under a skewed load):
     # head_dim 128 and 256 from N 2048, GQA 32 / 8, head_dim 64 up to N 8192.
     "causal_persistent": lambda: (fa_sweep(seqs=(2048, 4096, 8192, 16384), head_dims=(128, 256),

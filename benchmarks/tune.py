@@ -116,6 +116,7 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "fwd_overlap_3st": {"fwd": dict(overlap_qk=True, ping_pong=True, stages=3, **_TWO_WGS)},
     # The table's forward at head_dim 128 and 256 before session 10: the ping-pong alone.
     "fwd_ping_pong": {"fwd": _PLAIN_FWD},
+    "fwd_ping_pong_3st": {"fwd": dict(_PLAIN_FWD, stages=3)},
     "fwd_overlap_no_pp_3st": {"fwd": dict(overlap_qk=True, ping_pong=False, stages=3)},
     "fwd_overlap_no_pp_regs240": {"fwd": dict(overlap_qk=True, ping_pong=False,
                                               **_TWO_WGS_REGS240)},
