@@ -111,6 +111,9 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # in place, K and V refilled on their own releases), with the ping-pong turns (one a step).
     # The table has it on at head_dim 128 and 256 without the turns (`fwd_overlap_no_pp`).
     "fwd_overlap_turns": {"fwd": dict(overlap_qk=True, ping_pong=True, **_TWO_WGS)},
+    # The table's head_dim 128 forward takes the turns on non-causal rows of <= 16 key blocks
+    # (`turns_max_blocks`, session 32); without them:
+    "fwd_no_short_turns": {"fwd": dict(turns_max_blocks=0)},
     "fwd_overlap_turns_regs240": {"fwd": dict(overlap_qk=True, ping_pong=True,
                                               **_TWO_WGS_REGS240)},
     "fwd_overlap_3st": {"fwd": dict(overlap_qk=True, ping_pong=True, stages=3, **_TWO_WGS)},

@@ -717,6 +717,18 @@ def test_persistent_max_blocks_picks_the_grid():
   assert not snake_cfg.snakes([4, 4, 4], 1) and not cfg.snakes([1, 2, 3, 4], 1)
   with pytest.raises(ValueError, match="snake_max_kv_heads"):
     _K(64, 128, snake_max_kv_heads=-1)
+  # turns_max_blocks: the overlap takes the ping-pong's turns on unskewed tiles of few blocks.
+  overlap = _K(64, 128, overlap_qk=True, ping_pong=False, turns_max_blocks=8)
+  turns = overlap.for_tiles([8, 8])
+  assert turns.overlap_qk and turns.ping_pong and turns.turns_max_blocks == 8
+  assert overlap.for_tiles([9, 9]) is overlap and overlap.for_tiles([]) is overlap
+  assert overlap.for_tiles([1, 2, 3, 4]) is overlap  # (skewed: causal)
+  assert not _K(64, 128, overlap_qk=True, ping_pong=False).for_tiles([1]).ping_pong  # (0: never)
+  three = _K(64, 128, overlap_qk=True, ping_pong=False, compute_warpgroups=3,
+             compute_registers=160, turns_max_blocks=8)
+  assert three.for_tiles([1]) is three  # (the turns pair two warpgroups)
+  with pytest.raises(ValueError, match="turns_max_blocks"):
+    _K(64, 128, turns_max_blocks=-1)
   causal, full = pallas_attn.MaskSpec(is_causal=True), pallas_attn.MaskSpec()
   assert fwd._tile_blocks(causal, 4, cfg, 512) == [1, 2, 3, 4]
   assert fwd._tile_blocks(full, 2, cfg, 640) == [5, 5]

@@ -56,7 +56,8 @@ class KernelConfig:
   # Forward only: FlashAttention-3's ping-pong. The two compute warpgroups meet at a barrier
   # twice per key block, offset by one meeting, so one's softmax runs while the other's matmuls
   # hold the tensor cores; with overlap_qk they take turns instead (one wait, one hand-over a
-  # step). Off in the table where overlap_qk is on: the turns cost more than they order.
+  # step). Off in the table where overlap_qk is on: the turns cost more than they order, but
+  # on rows of few blocks (`turns_max_blocks`).
   ping_pong: bool = True
   # dK/dV only: compute dV and dK in two launches (when both accumulators don't fit registers).
   split_dkv: bool = False
@@ -156,6 +157,16 @@ class KernelConfig:
   # by too few CTAs at once to be read from L2 (H100, d128 causal b8 N 2048, 128 of them: 0.68x
   # the pairs; benchmarks/NOTES.md session 30). Overrides pair_q_tiles where it applies.
   snake_max_kv_heads: int = 0
+  # Forward with overlap_qk and two compute warpgroups: the ping-pong's turns on (whatever
+  # `ping_pong` says) where the query tiles visit about as many key blocks each (no mask, a
+  # window: not skewed) and at most this many on average (`for_tiles`). Without turns the two
+  # warpgroups start a tile together, both on a first softmax with no P V beneath it, and end
+  # it together on a last P V with no softmax beside it: about one softmax of idle tensor
+  # cores a tile, which a persistent item of few blocks does not amortize; the turns keep the
+  # warpgroups a half step apart across items. H200, head_dim 128 not causal: 1.04-1.09x at N
+  # 512-2048 (4-16 blocks), 0.98-1.00x from 4096; causal 0.97-1.01x (benchmarks/NOTES.md
+  # session 32). 0: never.
+  turns_max_blocks: int = 0
   # dQ and dK/dV, head_dim 256 (and 128): both compute warpgroups share one tile of block_q
   # query rows (dQ) or block_kv key rows (dK/dV); warpgroup 0 makes S, P and dS, warpgroup 1 dP,
   # the tiles meeting in shared memory, and each accumulates one half of the accumulators'
@@ -305,6 +316,15 @@ class KernelConfig:
       return False
     return mean <= (self.persistent_max_blocks_skewed if skewed else self.persistent_max_blocks)
 
+  def for_tiles(self, tile_blocks) -> "KernelConfig":
+    """This forward config for query tiles visiting `tile_blocks` key blocks each: with the
+    ping-pong's turns where `turns_max_blocks` says."""
+    mean, skewed = _mean_and_skew(tile_blocks)
+    if (not self.overlap_qk or self.ping_pong or self.compute_warpgroups != COMPUTE_WARPGROUPS
+        or mean is None or skewed or mean > self.turns_max_blocks):
+      return self
+    return dataclasses.replace(self, ping_pong=True)
+
   def snakes(self, tile_blocks, kv_heads: int) -> bool:
     """Whether the persistent forward walks `tile_blocks` in `snake_max_kv_heads`'s schedule,
     its call having `kv_heads` (batch, kv head) pairs."""
@@ -414,6 +434,8 @@ class KernelConfig:
                        f"{((wgs + 1) * launch - 24) // wgs // 8 * 8} with {wgs} compute "
                        f"warpgroups (the producer keeps at least 24), got "
                        f"{self.compute_registers}")
+    if self.turns_max_blocks < 0:
+      raise ValueError(f"turns_max_blocks must be >= 0, got {self.turns_max_blocks}")
     if self.snake_max_kv_heads < 0:
       raise ValueError(f"snake_max_kv_heads must be >= 0, got {self.snake_max_kv_heads}")
     if min(self.persistent_max_blocks, self.persistent_max_blocks_skewed) < 0:
@@ -511,8 +533,11 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # 1.01x at N 8192; 0.68-0.98x at 64-128 of them), and causal rows persistent up to 300 key
     # blocks a tile on average (N 32768 at both; H100, over one tile a CTA: 1.02-1.06x at d128
     # N 32768 / 65536, batch 1-4, and d256 N 32768; benchmarks/NOTES.md session 30).
+    # head_dim 128: the ping-pong's turns under the overlap on non-causal rows of at most 16
+    # key blocks (`turns_max_blocks`; H200, 1.04-1.09x at N 512-2048; session 32). Not at 256
+    # (0.94-1.00x at N 512-2048 there).
     (128, "fwd"): KernelConfig(block_q=64, block_kv=128, fold_scale=True, overlap_qk=True,
-                               ping_pong=False, persistent_max_blocks=16,
+                               ping_pong=False, persistent_max_blocks=16, turns_max_blocks=16,
                                **{**_SHORT_ROWS_PERSISTENT, "persistent_max_blocks_skewed": 300},
                                next_q_after_walk=True, snake_max_kv_heads=32),
     (256, "fwd"): KernelConfig(block_q=64, block_kv=64, fold_scale=True, overlap_qk=True,

@@ -601,6 +601,7 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
                      f"{cfg.compute_warpgroups} (`KernelConfig.two_warpgroups`)")
   num_q_tiles = -(-q_len // cfg.rows_per_cta)  # (3 warpgroups: the last may be partly past)
   tile_blocks = _tile_blocks(spec, num_q_tiles, cfg, kv_len)
+  cfg = cfg.for_tiles(tile_blocks)
   persistent = cfg.runs_persistent(tile_blocks)
   snake = persistent and cfg.snakes(tile_blocks, batch * heads_kv)
   if snake:  # heaviest first: a causal mask's later tiles see more keys
