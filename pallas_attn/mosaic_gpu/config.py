@@ -56,8 +56,8 @@ class KernelConfig:
   # Forward only: FlashAttention-3's ping-pong. The two compute warpgroups meet at a barrier
   # twice per key block, offset by one meeting, so one's softmax runs while the other's matmuls
   # hold the tensor cores; with overlap_qk they take turns instead (one wait, one hand-over a
-  # step). Off in the table where overlap_qk is on: the turns cost more than they order, but
-  # on rows of few blocks (`turns_max_blocks`).
+  # step). Off in the table where overlap_qk is on: the turns cost more than they order,
+  # except on rows of few blocks (`turns_max_blocks`).
   ping_pong: bool = True
   # dK/dV only: compute dV and dK in two launches (when both accumulators don't fit registers).
   split_dkv: bool = False
