@@ -729,6 +729,9 @@ def test_persistent_max_blocks_picks_the_grid():
   assert three.for_tiles([1]) is three  # (the turns pair two warpgroups)
   with pytest.raises(ValueError, match="turns_max_blocks"):
     _K(64, 128, turns_max_blocks=-1)
+  # pair_q_tiles: only where the tiles are skewed (causal); equal tiles stay single.
+  assert cfg.for_tiles([1, 2, 3, 4]) is cfg
+  assert cfg.for_tiles([4, 4, 4]) == dataclasses.replace(cfg, pair_q_tiles=False)
   causal, full = pallas_attn.MaskSpec(is_causal=True), pallas_attn.MaskSpec()
   assert fwd._tile_blocks(causal, 4, cfg, 512) == [1, 2, 3, 4]
   assert fwd._tile_blocks(full, 2, cfg, 640) == [5, 5]

@@ -140,10 +140,14 @@ class KernelConfig:
   # balances the CTAs' loads (H200: benchmarks/NOTES.md session 12). 0: off.
   persistent_max_blocks: int = 0
   persistent_max_blocks_skewed: int = 0
-  # Forward, persistent: a work unit is the query tiles T - 1 - t and t of one (batch, head)
-  # (`fwd._Schedule`), so under a causal mask all units weigh the same (T + 1 tiles' worth of
-  # key blocks) and the static schedule stays balanced. Where T is odd, single tiles; without a
-  # persistent grid, nothing.
+  # Forward, persistent, where the query tiles are skewed (causal): a work unit is the query
+  # tiles T - 1 - t and t of one (batch, head) (`fwd._Schedule`), so all units weigh the same
+  # (T + 1 tiles' worth of key blocks) and the static schedule stays balanced. Where T is odd,
+  # single tiles; without a persistent grid, nothing. Not where the tiles weigh the same
+  # (`for_tiles`): there a pair walks its head's K/V twice, one tile after the other, and with
+  # the heads axis fastest only two CTAs stream a head's K/V at once instead of its T tiles'
+  # CTAs, so the second walk tends to miss L2 (H100, head_dim 256 N 512 / 1024: 1.12 / 1.03x
+  # without the pairs, d128 N 512 1.02x, 1.00x elsewhere; benchmarks/NOTES.md session 33).
   pair_q_tiles: bool = False
   # Forward, persistent, where the query tiles are skewed (causal) and the call has at most
   # this many (batch, kv head) pairs (0: never): units are single tiles numbered heaviest first
@@ -317,13 +321,17 @@ class KernelConfig:
     return mean <= (self.persistent_max_blocks_skewed if skewed else self.persistent_max_blocks)
 
   def for_tiles(self, tile_blocks) -> "KernelConfig":
-    """This forward config for query tiles visiting `tile_blocks` key blocks each: with the
-    ping-pong's turns where `turns_max_blocks` says."""
+    """This forward config for query tiles visiting `tile_blocks` key blocks each: the tile
+    pairs only where the tiles are skewed (`pair_q_tiles`), the ping-pong's turns where
+    `turns_max_blocks` says."""
     mean, skewed = _mean_and_skew(tile_blocks)
-    if (not self.overlap_qk or self.ping_pong or self.compute_warpgroups != COMPUTE_WARPGROUPS
-        or mean is None or skewed or mean > self.turns_max_blocks):
-      return self
-    return dataclasses.replace(self, ping_pong=True)
+    cfg = self
+    if cfg.pair_q_tiles and not skewed:
+      cfg = dataclasses.replace(cfg, pair_q_tiles=False)
+    if (not cfg.overlap_qk or cfg.ping_pong or cfg.compute_warpgroups != COMPUTE_WARPGROUPS
+        or mean is None or skewed or mean > cfg.turns_max_blocks):
+      return cfg
+    return dataclasses.replace(cfg, ping_pong=True)
 
   def snakes(self, tile_blocks, kv_heads: int) -> bool:
     """Whether the persistent forward walks `tile_blocks` in `snake_max_kv_heads`'s schedule,
