@@ -32,7 +32,7 @@ exp2 from a polynomial on the FMA pipe, `exp2.exp2_tile`; off: slower on the H20
 `_persistent`; every feature above works there, each item's walk being the one-item CTA's, with
 the ring's slots and the q loads carried across items; `persistent_max_blocks(_skewed)` choose
 it from the static shape, where the tiles see few key blocks, and `pair_q_tiles` makes each unit
-of work two tiles of one head whose causal weights add up to the same). `compute_warpgroups=3`
+of a causal call two tiles of one head whose weights add up to the same). `compute_warpgroups=3`
 gives a CTA 3 * block_q rows; the rows are padded to whole block_q tiles only, so the warpgroups
 of a last tile past the array load, compute and store nothing (`in_rows`).
 """
