@@ -513,14 +513,14 @@ NUM_SMS = 132
 # whose tiles are softmax-bound, it is 0.87-0.93x: not used there (benchmarks/NOTES.md session 10).
 # Forward, all head dims: the persistent grid (tile pairs on causal rows) where the query tiles
 # visit few key blocks (H200, one tuner run over the FlashAttention sweep, N 512-16384; ratios to
-# the one-tile grid): head_dim 64 1.36-1.04x up to 32 blocks of 128 keys (N 4096), 0.98-0.99 beyond; head_dim
-# 128 1.22-1.04x up to 16 (N 2048), 0.94-0.99 beyond. Causal (skewed) tiles: 1.38-1.03x up to
-# 32.5 blocks on average at every head dim, 1.01 at 64.5: up to 48 (benchmarks/NOTES.md session
-# 12). head_dim 256, whose output goes out in two column halves through a half-width tile (a
-# whole one does not fit; through the q tile, session 12's 0.87-0.97x): 1.05 / 1.03x at N 512 /
-# 1024 (8 / 16 blocks of 64 keys), 0.91-0.99 beyond; causal 1.10-1.11x at N 512-2048 and
-# 1.08 / 1.06 / 1.04x at 4096 / 8192 / 16384 (32.5-128.5 blocks): up to 160 (session 17).
-# Non-causal rows walk single tiles there since session 33 (`pair_q_tiles`; H100, d256 N 512 1.12x).
+# the one-tile grid): head_dim 64 1.36-1.04x up to 32 blocks of 128 keys (N 4096), 0.98-0.99 beyond;
+# head_dim 128 1.22-1.04x up to 16 (N 2048), 0.94-0.99 beyond. Causal (skewed) tiles: 1.38-1.03x up
+# to 32.5 blocks on average at every head dim, 1.01 at 64.5: up to 48 (benchmarks/NOTES.md session
+# 12). head_dim 256, whose output goes out in two column halves through a half-width tile (a whole
+# one does not fit; through the q tile, session 12's 0.87-0.97x): 1.05 / 1.03x at N 512 / 1024 (8 /
+# 16 blocks of 64 keys), 0.91-0.99 beyond; causal 1.10-1.11x at N 512-2048 and 1.08 / 1.06 / 1.04x
+# at 4096 / 8192 / 16384 (32.5-128.5 blocks): up to 160 (session 17). Non-causal rows walk single
+# tiles there since session 33 (`pair_q_tiles`; H100, d256 N 512 1.12x).
 # head_dim 128 forward: the persistent walk loads each next q after its loops
 # (`next_q_after_walk`; a branch in every step otherwise), and causal rows up to 100 key blocks a
 # tile on average go persistent (N 16384's 64.5; N 32768's 128.5 not measured). H200, two tuner
