@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import report
 from benchmarks import timing
 import pallas_attn
 from pallas_attn import numerics
@@ -165,9 +165,7 @@ def main(argv=None):
       print(f"d{args.head_dim} seq {seq} causal={is_causal}: " + ", ".join(
           f"{r['part']} {r['ms']:.3f}" for r in shape_rows), flush=True)
       if args.out:
-        with open(args.out, "a") as f:
-          for row in shape_rows:
-            f.write(json.dumps(row) + "\n")
+        report.append_rows(args.out, shape_rows)
   print(fit(rows))
   return rows
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
 
 import jax
@@ -34,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from benchmarks import bwd_parts
+from benchmarks import report
 from benchmarks import timing
 import pallas_attn
 from pallas_attn import numerics
@@ -171,8 +171,7 @@ def main(argv=None):
       print(f"seq {seq} causal {is_causal}: " + ", ".join(
           f"{r['probe']} {r['ms']:.3f} ms ({r['ratio']:.3f}x)" for r in rows), flush=True)
       if args.out:
-        with open(args.out, "a") as f:
-          f.writelines(json.dumps(row) + "\n" for row in rows)
+        report.append_rows(args.out, rows)
 
 
 if __name__ == "__main__":

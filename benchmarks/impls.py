@@ -28,6 +28,9 @@ from benchmarks.shapes import Shape
 NAMES = (
     "pallas_attn:mosaic_gpu",
     "pallas_attn:mosaic_gpu_mask_fn",
+    # The Mosaic GPU kernels with deterministic_backward=True (dQ from its own kernel): what
+    # bitwise-repeatable gradients cost. Its forward is the default's.
+    "pallas_attn:mosaic_gpu_deterministic",
     "pallas_attn:blocked_jax",
     "pallas_attn:reference",
     "jax_xla",
@@ -39,7 +42,7 @@ NAMES = (
 # What runs by default on each platform. cudnn and tokamax need an NVIDIA GPU; on the CPU the
 # Mosaic GPU kernels run in the Pallas interpreter.
 DEFAULT_NAMES = {
-    "gpu": NAMES,
+    "gpu": tuple(n for n in NAMES if n != "pallas_attn:mosaic_gpu_deterministic"),
     "cpu": ("pallas_attn:mosaic_gpu", "pallas_attn:blocked_jax", "pallas_attn:reference",
             "jax_xla"),
 }
@@ -86,14 +89,14 @@ def _document_mask(seq: int, segment_len: int | None) -> jax.Array | None:
   return (ids[:, None] == ids[None, :])[None, None]
 
 
-def _pallas_attn(implementation: str, interpret: bool):
+def _pallas_attn(implementation: str, interpret: bool, deterministic_backward: bool = False):
   def attend(q, k, v, *, is_causal, window=None, segment_len=None):
     ids = None
     if segment_len is not None:
       ids = jnp.broadcast_to(_document_ids(q.shape[1], segment_len), q.shape[:2])
     return pallas_attn.attention(q, k, v, is_causal=is_causal, implementation=implementation,
                                  interpret=interpret, local_window_size=_window(window),
-                                 segment_ids=ids)
+                                 segment_ids=ids, deterministic_backward=deterministic_backward)
   return attend
 
 
@@ -148,6 +151,9 @@ def get(name: str, platform: str) -> Impl:
   if name == "pallas_attn:mosaic_gpu_mask_fn":
     return Impl(name, _pallas_attn_mask_fn(on_cpu), interpret=on_cpu,
                 version=pallas_attn.__version__)
+  if name == "pallas_attn:mosaic_gpu_deterministic":
+    return Impl(name, _pallas_attn("mosaic_gpu", on_cpu, deterministic_backward=True),
+                interpret=on_cpu, version=pallas_attn.__version__)
   if name.startswith("pallas_attn:"):
     which = name.split(":", 1)[1]
     interpret = on_cpu and which == "mosaic_gpu"

@@ -16,13 +16,13 @@
 from __future__ import annotations
 
 import argparse
-import json
 import math
 
 import jax
 import jax.numpy as jnp
 
 from benchmarks import impls
+from benchmarks import report
 from benchmarks import shapes
 from benchmarks import timing
 from pallas_attn import numerics
@@ -121,9 +121,7 @@ def main(argv=None):
     print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()
            if k != "repeat_ms"}, flush=True)
   if args.out:
-    with open(args.out, "a") as f:
-      for row in rows:
-        f.write(json.dumps(row) + "\n")
+    report.append_rows(args.out, rows)
 
 
 if __name__ == "__main__":

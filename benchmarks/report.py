@@ -19,6 +19,7 @@ from benchmarks.shapes import masking_suffix
 SHORT = {
     "pallas_attn:mosaic_gpu": "mosaic_gpu",
     "pallas_attn:mosaic_gpu_mask_fn": "mgpu_mask_fn",
+    "pallas_attn:mosaic_gpu_deterministic": "mgpu_determ",
     "pallas_attn:blocked_jax": "blocked_jax",
     "pallas_attn:reference": "reference",
     "jax_xla": "xla",
@@ -40,6 +41,12 @@ def load(path) -> list[dict]:
   if not path.exists():
     return []
   return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def append_rows(path, rows) -> None:
+  """Append `rows` to the results file at `path` (JSON lines), the probes' --out."""
+  with open(path, "a") as f:
+    f.writelines(json.dumps(row) + "\n" for row in rows)
 
 
 def measurement_key(row: dict) -> tuple:

@@ -307,6 +307,13 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # `separate_dq_co_dp` is head_dim 128's table before.
     "dkv_always_fused": {"dkv": dict(separate_dq_max_blocks_skewed=0,
                                      separate_dq_max_blocks=0)},
+    # Session 35: the separate kernels on rows of up to 16 key-tile visits (head_dim 256 N 1024,
+    # causal and not; head_dim 64 N 512-2048), and up to 4 without a mask (head_dim 64 N 512),
+    # where the deterministic backward's sweep (the separate kernels everywhere) ran 1.07-1.09x
+    # / 1.05x the table on an H100.
+    "dkv_separate_dq_up_to_16": {"dkv": dict(separate_dq_max_blocks=16,
+                                             separate_dq_max_blocks_skewed=16)},
+    "dkv_separate_dq_up_to_4": {"dkv": dict(separate_dq_max_blocks=4)},
     # head_dim 128's dQ kernel over 128-key blocks (wgmma N 128 for S and dP: a sixth fewer
     # shared-memory bytes per FLOP than N 64, whose operand reads alone fill the 128 B a clock).
     "dq_kv128_regs240": {"dq": dict(block_kv=128, compute_registers=240)},

@@ -78,7 +78,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
               dropout_rng: jax.Array | None = None,
               broadcast_dropout: bool = False,
               mask_fn: score_mods.MaskFn | None = None,
-              score_fn: score_mods.ScoreFn | None = None):
+              score_fn: score_mods.ScoreFn | None = None,
+              deterministic_backward: bool = False):
   """Exact attention `softmax(q.k^T * scale + bias, masked) v`, blocked so that no
   [q_len, kv_len] array reaches device memory (except on the `"reference"` path).
 
@@ -149,6 +150,14 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
       The Mosaic GPU kernels trace both functions in, with b and h int32 scalars (global batch
       index, query head) and q_idx, kv_idx int32 tiles; functions that close over arrays or use
       primitives the kernels cannot lower are served by the blocked path (see README).
+    deterministic_backward: gradients equal to the bit from run to run (FlashAttention's
+      `deterministic`). The Mosaic GPU backward by default makes dQ inside its dK/dV kernel,
+      every key tile adding its part into a float32 dQ with TMA reduce-adds in whatever order
+      the CTAs reach it, so dQ's rounding varies between runs; with this flag dQ comes from a
+      kernel of its own that sums each query tile's key blocks in a fixed order (slower: see
+      README). The portable and reference paths sum in a fixed order already (as
+      deterministic as XLA's own ops; on a GPU, XLA_FLAGS=--xla_gpu_deterministic_ops=true).
+      Not to be confused with Flax's `deterministic`, which turns dropout off.
 
   Returns:
     out [batch, q_len, heads_q, head_dim] in the input dtype; with return_residual,
@@ -230,7 +239,8 @@ def attention(query: jax.Array, key: jax.Array, value: jax.Array,
                            else dispatch.element_fns_problem(mask_fn, score_fn)))
   impl = dispatch.choose(call, implementation)
   out, lse = impl(query, key, value, arrays, scale=float(scale), spec=spec, mods=mods,
-                  q_lengths=q_lengths, kv_lengths=kv_lengths, interpret=interpret)
+                  q_lengths=q_lengths, kv_lengths=kv_lengths, interpret=interpret,
+                  deterministic_backward=bool(deterministic_backward))
   # Rows that see no key get jax.nn's values, and rows past their query length zeros: a pass
   # over the whole output (and a mean of V), which costs ~5% of a 4096-long forward on an H200.
   # Skipped where no row can be empty: only lengths, masks, segment ids, the user's functions,

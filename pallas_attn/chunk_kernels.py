@@ -32,6 +32,8 @@ class ChunkKernels:
 
   implementation: ChunkImplementation
   interpret: bool = False
+  # The Mosaic GPU backward with dQ from its own kernel (`attention`'s deterministic_backward).
+  deterministic_backward: bool = False
 
   def forward(self, q, k, v, q_lengths, kv_lengths, *, scale: float, is_causal: bool):
     """(out [B, T, Hq, D] float32, lse [B, Hq, T] float32) of q against this chunk's keys."""
@@ -52,10 +54,11 @@ class ChunkKernels:
                                   spec=spec)
     from pallas_attn.mosaic_gpu import ops
     return ops.backward(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, scale=scale, spec=spec,
-                        interpret=self.interpret)
+                        interpret=self.interpret, deterministic=self.deterministic_backward)
 
 
-def select(implementation: str | None, call: dispatch.AttentionCall) -> ChunkKernels:
+def select(implementation: str | None, call: dispatch.AttentionCall, *,
+           deterministic_backward: bool = False) -> ChunkKernels:
   """The kernels for `call` (one device's chunk shapes): the ones asked for (checked), or the
   Mosaic GPU kernels where they support the call, else the portable blocked path."""
   if implementation not in (None, "mosaic_gpu", "blocked_jax"):
@@ -68,4 +71,5 @@ def select(implementation: str | None, call: dispatch.AttentionCall) -> ChunkKer
     implementation = "mosaic_gpu" if reason is None else "blocked_jax"
   if implementation == "mosaic_gpu" and call.interpret:
     interpreter_threads.warn_if_too_few()
-  return ChunkKernels(implementation, interpret=call.interpret)
+  return ChunkKernels(implementation, interpret=call.interpret,
+                      deterministic_backward=bool(deterministic_backward))

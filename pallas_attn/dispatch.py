@@ -1,7 +1,8 @@
 """Which implementation serves a call, and the uniform calling convention they share.
 
 Every implementation is called as
-  impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, kv_lengths, interpret)
+  impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, kv_lengths, interpret,
+       deterministic_backward)
 with `arrays` a `score_mods.ScoreArrays` (the dynamic bias, mask, segment ids, ALiBi slopes and
 dropout seed, None where absent), `spec` the positional `mask.MaskSpec` and `mods` the static
 `score_mods.ScoreMods`, and returns (out [batch, q_len, heads_q, head_dim] in the input dtype,
@@ -99,8 +100,9 @@ def unsupported_features(call: AttentionCall, implementation: str) -> tuple[str,
 
 
 def _reference_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, kv_lengths,
-                    interpret):
-  del interpret
+                    interpret, deterministic_backward):
+  # (jnp only: as deterministic as XLA is; see `attention`'s deterministic_backward.)
+  del interpret, deterministic_backward
   out, lse = reference.reference_attention(query, key, value, scale=scale, spec=spec,
                                            q_lengths=q_lengths, kv_lengths=kv_lengths,
                                            mods=mods, arrays=arrays)
@@ -110,14 +112,15 @@ def _reference_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, 
 
 
 def _blocked_jax_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, kv_lengths,
-                      interpret):
-  del interpret
+                      interpret, deterministic_backward):
+  # (Its backward sums in loops of a fixed order: as deterministic as XLA is.)
+  del interpret, deterministic_backward
   return blocked_jax.attention(query, key, value, q_lengths, kv_lengths, arrays, scale=scale,
                                spec=spec, mods=mods)
 
 
 def _mosaic_gpu_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths, kv_lengths,
-                     interpret):
+                     interpret, deterministic_backward):
   # `choose` refuses this before tracing; kept here so that no path can drop it silently.
   slopes = arrays.alibi_slopes
   if slopes is not None and slopes.shape[0] != 1:
@@ -134,7 +137,7 @@ def _mosaic_gpu_impl(query, key, value, arrays, *, scale, spec, mods, q_lengths,
                        dropout_seed=arrays.dropout_seed if mods.dropout_rate > 0.0 else None,
                        broadcast_dropout=mods.broadcast_dropout,
                        mask_fn=mods.mask_fn, score_fn=mods.score_fn, bias=arrays.bias,
-                       mask=arrays.mask)
+                       mask=arrays.mask, deterministic_backward=deterministic_backward)
 
 
 _IMPLEMENTATIONS = {

@@ -20,7 +20,8 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
                       dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                       precision=None, module=None, is_causal=False,
                       force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
-                      attn_weights_value_einsum=None, *, implementation=None, interpret=False):
+                      attn_weights_value_einsum=None, *, implementation=None, interpret=False,
+                      deterministic_backward=False):
   """Flax-compatible `attention_fn` on top of pallas_attn.attention.
 
   - dtype: like flax's promote_dtype, q/k/v are cast to `dtype` (or their common dtype).
@@ -34,6 +35,9 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
     no mask is ever stored.
   - precision / force_fp32_for_softmax: the kernels already compute scores and softmax in
     float32; nothing to do.
+  - deterministic (Flax's: dropout off) is not `attention`'s deterministic_backward (gradients
+    the same to the bit from run to run), which this function takes as a keyword of its own
+    (`functools.partial(flax_attention_fn, deterministic_backward=True)`).
   - `module` (sowing the weights) needs the [T, S] weights, which exact FlashAttention never
     forms: NotImplementedError.
   """
@@ -72,5 +76,5 @@ def flax_attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout
     mask = to_4d(jnp.asarray(mask) != 0, (None,) * 3)
   bias = to_4d(bias, (None,) * 3)
   out = attention(q, k, v, bias, mask, is_causal=is_causal, implementation=implementation,
-                  interpret=interpret, **dropout)
+                  interpret=interpret, deterministic_backward=deterministic_backward, **dropout)
   return out.reshape(query.shape[:-1] + value.shape[-1:])

@@ -268,7 +268,7 @@ def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
                    batch_axis: str | None = None, head_axis: str | None = None,
                    layout: Layout = "natural",
                    implementation: chunk_kernels.ChunkImplementation | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   interpret: bool = False, deterministic_backward: bool = False) -> jax.Array:
   """Exact attention with q, k and v sharded over the sequence: ring attention (see the module
   docstring). Same numbers as `pallas_attn.attention` (up to float rounding), differentiable.
 
@@ -290,6 +290,8 @@ def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
     implementation: "mosaic_gpu", "blocked_jax" or None (the Mosaic GPU kernels where they
       support the call, else blocked_jax).
     interpret: run the Mosaic GPU kernels in the interpreter.
+    deterministic_backward: gradients equal to the bit from run to run, as in `attention` (the
+      ring sums the chunk pairs' gradients in a fixed order already).
 
   Lengths: q_len and kv_len must divide into P equal shards, into 2P chunks with is_causal or
   layout="zigzag" (ValueError otherwise).
@@ -337,7 +339,8 @@ def ring_attention(query: jax.Array, key: jax.Array, value: jax.Array, *,
   ring = _Ring(mesh=mesh, seq_axis=seq_axis, batch_axis=batch_axis, head_axis=head_axis,
                is_causal=bool(is_causal), zigzag=use_zigzag,
                scale=float(1.0 / math.sqrt(head_dim) if scale is None else scale),
-               kernels=chunk_kernels.select(implementation, call))
+               kernels=chunk_kernels.select(implementation, call,
+                                            deterministic_backward=deterministic_backward))
 
   q_lengths = api._check_lengths("query_seq_lengths", query_seq_lengths, batch)  # pylint: disable=protected-access
   kv_lengths = api._check_lengths("key_value_seq_lengths", key_value_seq_lengths, batch)  # pylint: disable=protected-access

@@ -14,6 +14,7 @@ sys.path.insert(0, str(ROOT))  # benchmarks/ is not an installed package
 
 from benchmarks import bwd_parts  # noqa: E402
 from benchmarks import compile_cache  # noqa: E402
+from benchmarks import determinism_probe  # noqa: E402
 from benchmarks import fused_dq_probe  # noqa: E402
 from benchmarks import impls  # noqa: E402
 from benchmarks import masking  # noqa: E402
@@ -432,6 +433,22 @@ def test_bwd_parts_agree_and_are_timed_in_the_interpreter():
   assert {row["part"] for row in rows} == set(fns) and all(row["ms"] > 0 for row in rows)
   fit = bwd_parts.fit(rows)
   assert all(f"| {part} |" in fit for part in fns)
+
+
+def test_determinism_probe_counts_differing_bits():
+  """`compare_runs` sees one flipped bit in one run of three; the probe runs the real kernels
+  (interpreted, deterministic: nothing differs) and names its row."""
+  a = np.arange(12, dtype=np.float32).reshape(3, 4) + 1.0
+  b = a.copy()
+  b[1, 2] = np.nextafter(b[1, 2], np.float32(np.inf))
+  stats = determinism_probe.compare_runs([(a, a, a), (a, a, a), (b, a, a)])
+  assert stats["dq"]["differing_runs"] == 1 and stats["dq"]["max_fraction"] == 1 / 12
+  assert stats["dq"]["max_rel_diff"] > 0
+  assert stats["dk"] == dict(differing_runs=0, max_fraction=0.0, max_rel_diff=0.0)
+  row = determinism_probe.probe_shape(64, 128, False, True, runs=2, interpret=True, tokens=128,
+                                      hidden=64)
+  assert (row["batch"], row["heads"], row["deterministic_backward"]) == (1, 1, True)
+  assert all(row[g]["differing_runs"] == 0 for g in determinism_probe.GRADS)
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

@@ -480,18 +480,32 @@ UNFUSED_DQ = types.MappingProxyType(dict(
     separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0))
 
 
-def backward_configs(dq_cfg: KernelConfig, dkv_cfg: KernelConfig,
-                     key_tile_blocks) -> tuple[KernelConfig, KernelConfig]:
-  """(dQ config, dK/dV config) of the backward, the key tiles of dkv_cfg visiting
-  `key_tile_blocks` query blocks each: the two given, or where dkv_cfg is fused but
-  `fuses_dq` says not here, dq_cfg and dkv_cfg unfused in dq_cfg's tiles and stages and with
-  its dP co-issue and register split (the two kernels then share one block table)."""
-  if not dkv_cfg.fused_dq or dkv_cfg.fuses_dq(key_tile_blocks):
+def separate_dq(dq_cfg: KernelConfig, dkv_cfg: KernelConfig) -> tuple[KernelConfig, KernelConfig]:
+  """(dQ config, dK/dV config) of a backward that makes dQ in the dQ kernel: the two given where
+  dkv_cfg does not fuse dQ, else dkv_cfg unfused in dq_cfg's tiles and stages and with its dP
+  co-issue and register split (the two kernels then share one block table).
+
+  It is also the deterministic backward (`attention(deterministic_backward=True)`): the fused
+  dQ is summed in float32 by TMA reduce-adds from every key tile's CTA, in whatever order the
+  CTAs reach a query block, so its rounding (and dQ's bits) can differ from run to run. The
+  separate dQ kernel sums a query tile's key blocks in registers in a fixed order, and the
+  dK/dV kernel its query blocks (and a kv head's query-head group) likewise."""
+  if not dkv_cfg.fused_dq:
     return dq_cfg, dkv_cfg
   return dq_cfg, dataclasses.replace(
       dkv_cfg, **UNFUSED_DQ, block_q=dq_cfg.block_q, block_kv=dq_cfg.block_kv,
       stages=dq_cfg.stages, co_issue_dp=dq_cfg.co_issue_dp,
       compute_registers=dq_cfg.compute_registers)
+
+
+def backward_configs(dq_cfg: KernelConfig, dkv_cfg: KernelConfig,
+                     key_tile_blocks) -> tuple[KernelConfig, KernelConfig]:
+  """(dQ config, dK/dV config) of the backward, the key tiles of dkv_cfg visiting
+  `key_tile_blocks` query blocks each: the two given, or where dkv_cfg is fused but
+  `fuses_dq` says not here, their `separate_dq` form."""
+  if not dkv_cfg.fused_dq or dkv_cfg.fuses_dq(key_tile_blocks):
+    return dq_cfg, dkv_cfg
+  return separate_dq(dq_cfg, dkv_cfg)
 
 
 # SMs of an H100 / H200 SXM: the CTAs of a persistent forward (`KernelConfig.persistent`) when no

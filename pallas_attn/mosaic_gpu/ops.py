@@ -75,17 +75,22 @@ def _static(head_dim: int, scale: float, spec: mask_lib.MaskSpec, interpret: boo
             fwd_cfg: config_lib.KernelConfig | None = None,
             dq_cfg: config_lib.KernelConfig | None = None,
             dkv_cfg: config_lib.KernelConfig | None = None,
-            mods: mods_lib.KernelMods = mods_lib.KernelMods()) -> _Static:
-  """The call's static part; a config left None is the table's (`config.DEFAULTS`)."""
+            mods: mods_lib.KernelMods = mods_lib.KernelMods(),
+            deterministic: bool = False) -> _Static:
+  """The call's static part; a config left None is the table's (`config.DEFAULTS`).
+  `deterministic`: the backward makes dQ in its own kernel (`config.separate_dq`), never by
+  reduce-adds whose order varies."""
   for name, cfg in (("dq_cfg", dq_cfg), ("dkv_cfg", dkv_cfg)):
     if cfg is not None and cfg.compute_warpgroups != _WGS:
       raise ValueError(f"{name}: the backward kernels run {_WGS} compute warpgroups, got "
                        f"compute_warpgroups={cfg.compute_warpgroups} (a forward-only option)")
-  return _Static(
-      scale=scale, spec=spec, interpret=interpret,
-      fwd_cfg=fwd_cfg or config_lib.kernel_config(head_dim, "fwd"),
-      dq_cfg=dq_cfg or config_lib.kernel_config(head_dim, "dq"),
-      dkv_cfg=dkv_cfg or config_lib.kernel_config(head_dim, "dkv"), mods=mods)
+  dq_cfg = dq_cfg or config_lib.kernel_config(head_dim, "dq")
+  dkv_cfg = dkv_cfg or config_lib.kernel_config(head_dim, "dkv")
+  if deterministic:
+    dq_cfg, dkv_cfg = config_lib.separate_dq(dq_cfg, dkv_cfg)
+  return _Static(scale=scale, spec=spec, interpret=interpret,
+                 fwd_cfg=fwd_cfg or config_lib.kernel_config(head_dim, "fwd"), dq_cfg=dq_cfg,
+                 dkv_cfg=dkv_cfg, mods=mods)
 
 
 def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.MaskSpec,
@@ -95,11 +100,13 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
               logits_soft_cap: float | None = None, q_segment_ids=None, kv_segment_ids=None,
               alibi_slopes=None, dropout_rate: float = 0.0, dropout_seed=None,
               broadcast_dropout: bool = False, mask_fn=None, score_fn=None, bias=None,
-              mask=None, kv_splits: int | None = None):
+              mask=None, kv_splits: int | None = None, deterministic_backward: bool = False):
   """q [B, T, Hq, D], k/v [B, S, Hkv, D] (bf16/f16), lengths int32 [B] or None.
   `fwd_cfg`, `dq_cfg`, `dkv_cfg` override the table's tiles of the forward, dQ and dK/dV kernels
   (benchmarks/tune.py compares variants with them). `kv_splits` overrides the number of key
   chunks of the forward (`split_kv`; None: its heuristic), used only where splitting is exact.
+  `deterministic_backward`: gradients the same to the bit from run to run (dQ from its own
+  kernel: `config.separate_dq`).
 
   Score modifiers (see `mods`), applied in the kernels:
     logits_soft_cap: static float: logits become cap * tanh(logit / cap).
@@ -134,7 +141,8 @@ def attention(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Ma
                                              kv_segment_ids, alibi_slopes, dropout_rate,
                                              dropout_seed, broadcast_dropout, mask_fn=mask_fn,
                                              score_fn=score_fn, bias=bias, mask=mask)
-  static = _static(q.shape[-1], scale, spec, interpret, fwd_cfg, dq_cfg, dkv_cfg, mods)
+  static = _static(q.shape[-1], scale, spec, interpret, fwd_cfg, dq_cfg, dkv_cfg, mods,
+                   deterministic=deterministic_backward)
   position_free_mods = mods == mods_lib.KernelMods(soft_cap=mods.soft_cap)
   if gqa_pack.should_pack(q.shape, k.shape[2], spec, k.shape[1], position_free_mods,
                           static.fwd_cfg.rows_per_cta):
@@ -159,13 +167,15 @@ def forward(q, k, v, q_lengths, kv_lengths, *, scale: float, spec: mask_lib.Mask
 def backward(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
              spec: mask_lib.MaskSpec, interpret: bool = False,
              dq_cfg: config_lib.KernelConfig | None = None,
-             dkv_cfg: config_lib.KernelConfig | None = None):
+             dkv_cfg: config_lib.KernelConfig | None = None, deterministic: bool = False):
   """The dQ and dK/dV kernels alone (not differentiable), on one device's arrays, from the
   caller's lse and delta [B, Hq, T] float32: lse of each query row's whole softmax (which may span
   keys outside `k`; +inf marks rows that see no key), delta = `numerics.delta(d_out, out)` of the
-  whole output. `dq_cfg`, `dkv_cfg` as in `attention`. Returns (dq [B, T, Hq, D],
-  dk, dv [B, S, Hkv, D]) in the input dtype."""
-  static = _static(q.shape[-1], scale, spec, interpret, dq_cfg=dq_cfg, dkv_cfg=dkv_cfg)
+  whole output. `dq_cfg`, `dkv_cfg` as in `attention`; `deterministic` as its
+  `deterministic_backward`. Returns (dq [B, T, Hq, D], dk, dv [B, S, Hkv, D]) in the input
+  dtype."""
+  static = _static(q.shape[-1], scale, spec, interpret, dq_cfg=dq_cfg, dkv_cfg=dkv_cfg,
+                   deterministic=deterministic)
   return _backward_pass(static, q, k, v, d_out, lse, delta, q_lengths, kv_lengths)
 
 
