@@ -8,7 +8,8 @@ from pallas_attn.reference import reference_attention
 from pallas_attn.ring import ring_attention
 from pallas_attn.score_mods import ScoreArrays
 from pallas_attn.score_mods import ScoreMods
+from pallas_attn.varlen import varlen_attention
 
 __all__ = ["attention", "flax_attention_fn", "MaskSpec", "reference_attention", "ring_attention",
-           "ScoreArrays", "ScoreMods", "zigzag"]
+           "ScoreArrays", "ScoreMods", "varlen_attention", "zigzag"]
 __version__ = "0.1.0"

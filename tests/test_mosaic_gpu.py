@@ -145,9 +145,10 @@ _VARIANTS = {
                                              co_issue_dkv=True, co_issue_dq=True,
                                              dq_step_late=True, compute_registers=240)},
     # The table's head_dim 64 dK/dV/dQ kernel where the table itself takes the separate dQ
-    # kernel (causal rows of a few blocks: `separate_dq_max_blocks_skewed`).
+    # kernel (rows of a few blocks: `separate_dq_max_blocks(_skewed)`).
     "table_d64_always_fused": {"dkv": dataclasses.replace(
-        config_lib.DEFAULTS[(64, "dkv")], separate_dq_max_blocks_skewed=0)},
+        config_lib.DEFAULTS[(64, "dkv")], separate_dq_max_blocks_skewed=0,
+        separate_dq_max_blocks=0)},
     # ... and head_dim 128's (its K / V tiles' descriptors built in the step), which the table
     # runs where key tiles visit over 8 query blocks.
     "table_d128_always_fused": {"dkv": dataclasses.replace(
@@ -289,6 +290,7 @@ _VARIANT_CASES = [
     ("table_d64_always_fused", _CAUSAL_203),
     ("table_d128_always_fused", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("table_d64_always_fused", cases.get_case("gqa_causal_lengths_113x203")),
+    ("table_d64_always_fused", cases.get_case("mqa_113x203")),  # not causal
     ("table_d128_always_fused", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
     ("descriptors_in_step", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("overlap_dkv_descriptors_in_step", cases.get_case("gqa_causal_lengths_113x203")),
@@ -540,8 +542,9 @@ def test_dq_step_late_needs_co_issued_column_halves(changes):
     (64, True, None, 1024, False),  # key tiles visit 1 to 8 query blocks: 4.5 on average
     (64, True, None, 2048, False),  # 8.5
     (64, True, None, 4096, True),  # 16.5
-    (64, False, None, 512, True),  # 4 each: short, but not skewed
-    (64, True, (256, 0), 4096, True),  # a window: 3 each but the last two tiles'
+    (64, False, None, 512, False),  # 4 each
+    (64, False, None, 1024, True),  # 8 each
+    (64, True, (256, 0), 4096, False),  # a window: 3 each but the last two tiles' (not skewed)
     (128, True, None, 512, False),  # head_dim 128: 4.5 on average
     (128, False, None, 512, False),  # 8 each
     (128, True, None, 1024, True),  # 8.5 on average
@@ -549,7 +552,10 @@ def test_dq_step_late_needs_co_issued_column_halves(changes):
     (128, True, None, 16384, True),  # 129 on average
     (128, False, None, 16384, True),  # 256
     (256, False, None, 512, False),  # head_dim 256 (the head split): 8 each
-    (256, True, None, 1024, True),  # 8.5 on average
+    (256, False, None, 1024, False),  # 16 each
+    (256, True, None, 1024, False),  # 8.5 on average
+    (256, True, None, 2048, True),  # 16.5 on average
+    (256, False, None, 2048, True),  # 32 each
     (256, False, None, 16384, True),  # 256
 ])
 def test_backward_fuses_dq_by_the_key_tiles_visits(head_dim, is_causal, window, seq, fused):
@@ -572,11 +578,13 @@ def test_backward_fuses_dq_by_the_key_tiles_visits(head_dim, is_causal, window, 
     assert dkv_cfg.co_issue_dkv == static.dkv_cfg.co_issue_dkv
 
 
-@pytest.mark.parametrize("is_causal,kernels", [(True, 3), (False, 2)])
-def test_short_causal_rows_lower_the_separate_dq_kernel(is_causal, kernels):
-  """Through the table at head_dim 64, 300 rows: causal, forward, dQ and dK/dV kernels; not
-  causal, the forward and the dK/dV kernel that makes dQ."""
-  q = jax.ShapeDtypeStruct((1, 300, 2, 64), jnp.bfloat16)
+@pytest.mark.parametrize("is_causal,seq,kernels", [(True, 1000, 3), (False, 300, 3),
+                                                   (False, 1000, 2)])
+def test_short_rows_lower_the_separate_dq_kernel(is_causal, seq, kernels):
+  """Through the table at head_dim 64: causal 1000 rows (4.5 visits a key tile on average) and
+  300 rows (3 each), forward, dQ and dK/dV kernels; 1000 rows not causal (8 each), the forward
+  and the dK/dV kernel that makes dQ."""
+  q = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16)
 
   def loss(q, k, v):
     out, _ = ops.attention(q, k, v, None, None, scale=0.1,

@@ -586,9 +586,12 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # dV's, dK's and dQ's wgmmas of a step issued together (H200, fwd+bwd at N 4096 / 16384,
     # causal and not: 1.02-1.08x the one-at-a-time kernel in three tuner calls; session 13).
     # Causal rows whose key tiles visit at most 12 query blocks on average (N <= 2048) take the
-    # separate dQ kernel (H200: 1.17 / 1.11 / 1.03x at N 512 / 1024 / 2048; session 14).
+    # separate dQ kernel (H200: 1.17 / 1.11 / 1.03x at N 512 / 1024 / 2048; session 14), and
+    # non-causal rows of at most 4 (N 512; H100: 1.05-1.06x in a tuner run and a sweep, 0.97-1.01x
+    # at N 1024; session 35).
     (64, "dkv"): KernelConfig(block_q=128, block_kv=64, fused_dq=True, co_issue_dkv=True,
-                              co_issue_dq=True, separate_dq_max_blocks_skewed=12),
+                              co_issue_dq=True, separate_dq_max_blocks_skewed=12,
+                              separate_dq_max_blocks=4),
     # head_dim 128: the fused dQ in column halves, dV's, dK's and dQ's wgmmas issued together,
     # dQ's a step late, 240 registers, and the K / V tiles' descriptors built in the step (its
     # spills, 220-500 B a thread, down to 0). H200, fwd+bwd over the separate kernels: 1.04 /
@@ -608,12 +611,13 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # registers (H200, fwd+bwd 1.08-1.14x the separate head-split kernels at N 4096 / 16384,
     # causal and not; session 21), each step's last dQ part sent under the next step's first
     # wgmma (H200, fwd+bwd 1.03-1.06x from N 2048, 1.00-1.01x below; session 26). Where the key
-    # tiles visit at most 8 query blocks on average (N 512) the separate kernels, as at head_dim
-    # 128 (`backward_configs`).
+    # tiles visit at most 16 query blocks on average (N 512 and 1024, causal or not) the
+    # separate kernels (`backward_configs`; H100, N 1024: 1.10 / 1.08x the fused kernel in a
+    # tuner run, 1.09 / 1.07x in a sweep; N 512 1.27x; session 35).
     (256, "dkv"): KernelConfig(block_q=64, block_kv=64, head_split=True, fused_dq=True,
                                one_do_slot=True, defer_last_dq_part=True, compute_registers=240,
-                               tile_descriptors_in_step=True, separate_dq_max_blocks=8,
-                               separate_dq_max_blocks_skewed=8),
+                               tile_descriptors_in_step=True, separate_dq_max_blocks=16,
+                               separate_dq_max_blocks_skewed=16),
 }
 
 
