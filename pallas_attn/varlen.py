@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pallas_attn import api
 
@@ -26,6 +27,11 @@ def _segment_ids(name: str, cu_seqlens, total: int, pad_id: int) -> tuple[jax.Ar
                      f"{cu_seqlens.shape}")
   if cu_seqlens.dtype != jnp.int32:
     raise TypeError(f"{name} must be int32 (as FlashAttention's), got {cu_seqlens.dtype}")
+  if not isinstance(cu_seqlens, jax.core.Tracer):  # (under jit the values are not known)
+    bounds = np.asarray(cu_seqlens)
+    if bounds[0] != 0 or np.any(np.diff(bounds) < 0) or bounds[-1] > total:
+      raise ValueError(f"{name} must start at 0, never decrease and end at most at the "
+                       f"{total} packed tokens; got {bounds.tolist()}")
   positions = jnp.arange(total, dtype=jnp.int32)
   ids = jnp.searchsorted(cu_seqlens, positions, side="right").astype(jnp.int32) - 1
   used = cu_seqlens[-1]

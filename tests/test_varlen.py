@@ -107,6 +107,10 @@ def test_bad_arguments_say_what_is_wrong():
     pallas_attn.varlen_attention(x, x, x, cu.astype(jnp.float32))
   with pytest.raises(ValueError, match=r"cu_seqlens_q must be \[num_seqs \+ 1\]"):
     pallas_attn.varlen_attention(x, x, x, cu[:1])
+  with pytest.raises(ValueError, match=r"never decrease and end at most at the 10 packed"):
+    pallas_attn.varlen_attention(x, x, x, _cu([4, 7]))
+  with pytest.raises(ValueError, match=r"must start at 0"):
+    pallas_attn.varlen_attention(x, x, x, jnp.asarray([1, 4], jnp.int32))
   with pytest.raises(ValueError, match="packed alike"):
     pallas_attn.varlen_attention(x, x, x, cu, cu, is_causal=True)
   with pytest.raises(ValueError, match="total_k .12. must equal query's total_q .10."):
@@ -126,3 +130,14 @@ def test_gpu_kernels_match_each_sequence_alone(is_causal, seed):
   lengths = [1000, 17, 3000, 113, 1]
   _check(seed, lengths, lengths, 4200, 4200, heads=(8, 2), head_dim=128, dtype=jnp.bfloat16,
          implementation="mosaic_gpu", is_causal=is_causal)
+
+
+def test_boundaries_as_jit_arguments(seed):
+  """cu_seqlens traced (new boundaries each batch, one compile): the same result as constant."""
+  q, k, v, _ = _inputs(seed, 200, 200, 4, 2, 64, jnp.float32)
+  cu = _cu(_LENGTHS)
+  attend = functools.partial(pallas_attn.varlen_attention, implementation="blocked_jax",
+                             is_causal=True)
+  traced = jax.jit(lambda q, k, v, cu: attend(q, k, v, cu))(q, k, v, cu)
+  np.testing.assert_allclose(np.asarray(traced), np.asarray(jax.jit(
+      lambda q, k, v: attend(q, k, v, cu))(q, k, v)), rtol=1e-6, atol=1e-6)
