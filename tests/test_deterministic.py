@@ -9,6 +9,7 @@ against the reference. On a Hopper GPU (`gpu`): repeated gradients equal to the 
 the reference, at every head_dim.
 """
 
+import dataclasses
 import functools
 
 import jax
@@ -23,6 +24,7 @@ from pallas_attn import dispatch
 from pallas_attn import flax_adapter
 from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import ops
+from test_mosaic_gpu import _poison_allocator
 
 _BF16_TOL = 2e-2  # relative L2 of a bf16 gradient against the float32 reference
 
@@ -83,7 +85,7 @@ def test_ring_chunk_backward_lowers_the_dq_kernel_when_deterministic(determinist
                                 has_mask=False, interpret=True)
   chunk = chunk_kernels.select("mosaic_gpu", call, deterministic_backward=deterministic)
   assert chunk.deterministic_backward == deterministic
-  chunk = chunk_kernels.ChunkKernels("mosaic_gpu", deterministic_backward=deterministic)
+  chunk = dataclasses.replace(chunk, interpret=False)  # (lowered for CUDA below)
   stats = jax.ShapeDtypeStruct((1, 2, 2048), jnp.float32)
 
   def backward(q, k, v, d_out, lse, delta):
@@ -163,9 +165,7 @@ def test_gpu_deterministic_backward_repeats_to_the_bit(head_dim, is_causal, head
                                   deterministic_backward=True))
   runs = []
   for _ in range(3):
-    poison = jnp.full((64 << 18,), jnp.nan, jnp.float32)
-    poison.block_until_ready()
-    poison.delete()
+    _poison_allocator(64 << 20)
     runs.append([np.asarray(x) for x in run(*inputs)])
   for again in runs[1:]:
     for name, first, other in zip(("out", "dq", "dk", "dv"), runs[0], again):

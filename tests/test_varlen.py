@@ -12,6 +12,7 @@ import pytest
 
 import cases
 import pallas_attn
+from test_mosaic_gpu import _poison_allocator
 
 _TOL = {jnp.float32: 1e-5, jnp.bfloat16: 2e-2}
 
@@ -124,9 +125,7 @@ def test_bad_arguments_say_what_is_wrong():
 def test_gpu_kernels_match_each_sequence_alone(is_causal, seed):
   """Sequences of 1 to 3000 tokens (tiles where sequences meet, tiles inside one), bf16,
   head_dim 128, GQA; the allocator poisoned with NaN."""
-  poison = jnp.full((64 << 18,), jnp.nan, jnp.float32)
-  poison.block_until_ready()
-  poison.delete()
+  _poison_allocator(64 << 20)
   lengths = [1000, 17, 3000, 113, 1]
   _check(seed, lengths, lengths, 4200, 4200, heads=(8, 2), head_dim=128, dtype=jnp.bfloat16,
          implementation="mosaic_gpu", is_causal=is_causal)
