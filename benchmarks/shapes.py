@@ -178,6 +178,9 @@ PRESETS = {
     "tune_d128": lambda: fa_sweep(seqs=(4096,), head_dims=(128,), causal=(True,)),
     # head_dim 64 at the anchors' lengths (N = 4096 / 16384, causal and not).
     "d64_anchors": lambda: fa_sweep(seqs=(4096, 16384), head_dims=(64,)),
+    # head_dim 64 at N = 2048 / 8192, causal and not: with `d64_anchors`, every length where its
+    # backward fuses dQ into the dK/dV kernel.
+    "d64_rest": lambda: fa_sweep(seqs=(2048, 8192), head_dims=(64,)),
     # head_dim 64 at N = 4096, causal and not (its backward fuses dQ into the dK/dV kernel).
     "tune_d64": lambda: fa_sweep(seqs=(4096,), head_dims=(64,)),
     # Short sequences (FWD_GAP_ANALYSIS.md #2: the per-CTA fixed cost of a 4- or 8-block tile),

@@ -314,6 +314,14 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_separate_dq_up_to_16": {"dkv": dict(separate_dq_max_blocks=16,
                                              separate_dq_max_blocks_skewed=16)},
     "dkv_separate_dq_up_to_4": {"dkv": dict(separate_dq_max_blocks=4)},
+    # Session 36. head_dim 64's dK/dV/dQ kernel with dQ in row halves (each warpgroup 64 of the
+    # 128 query rows, from both warpgroups' dS^T tiles: half the float32 reduce-add bytes and
+    # dQ registers of the table's), co-issued as the table's, then a step late (as head_dim
+    # 128's column halves), at 232 and 240 registers.
+    "dkv_row_halves": {"dkv": dict(dq_row_halves=True)},
+    "dkv_row_halves_late": {"dkv": dict(dq_row_halves=True, dq_step_late=True)},
+    "dkv_row_halves_late_regs240": {"dkv": dict(dq_row_halves=True, dq_step_late=True,
+                                                compute_registers=240)},
     # head_dim 128's dQ kernel over 128-key blocks (wgmma N 128 for S and dP: a sixth fewer
     # shared-memory bytes per FLOP than N 64, whose operand reads alone fill the 128 B a clock).
     "dq_kv128_regs240": {"dq": dict(block_kv=128, compute_registers=240)},
@@ -427,6 +435,11 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
     return f"does not apply: head_split needs head_dim a multiple of 128, not {shape.head_dim}"
   if dkv_changes.get("dq_column_halves") and shape.head_dim < 128:
     return f"does not apply: dQ column halves need head_dim >= 128, not {shape.head_dim}"
+  if dkv_changes.get("dq_row_halves") and not (table_dkv.fused_dq and table_dkv.block_q % 128 == 0
+                                               and not table_dkv.dq_column_halves
+                                               and not table_dkv.head_split):
+    return (f"does not apply: dQ row halves split head_dim 64's fused [128, head_dim] dQ part, "
+            f"not head_dim {shape.head_dim}'s")
   try:
     cfgs = variant_configs(name, shape.head_dim)
   except ValueError as e:

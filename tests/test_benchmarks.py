@@ -407,6 +407,10 @@ def test_tune_variants_are_valid_or_say_why_not():
                "dkv_dq_halves", "dkv_dq_halves_1st"):
     assert tune.why_not(name, d128, jnp.bfloat16) is None, name
   assert tune.why_not("fwd_kv256", d128, jnp.bfloat16).startswith("does not fit")
+  d64 = shapes.Shape(4, 4096, 4096, 32, 32, 64, False, "fa")
+  for name in ("dkv_row_halves", "dkv_row_halves_late", "dkv_row_halves_late_regs240"):
+    assert tune.why_not(name, d64, jnp.bfloat16) is None, name
+    assert tune.why_not(name, d128, jnp.bfloat16).startswith("does not apply"), name
 
 
 # ---- benchmarks/bwd_parts.py and fused_dq_probe.py: the backward taken apart ------------------

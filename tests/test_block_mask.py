@@ -224,15 +224,19 @@ def test_gpu_structured_masks_match_reference(name, head_dim, seed):
 
 @pytest.mark.parametrize("interpret", [pytest.param(True, id="interpreted"),
                                        pytest.param(False, id="gpu", marks=pytest.mark.gpu)])
-def test_fused_dq_a_step_late_walks_a_block_table(interpret, seed):
-  """The fused dQ in column halves a step late (`dq_step_late`) over a block table, whose
-  skipped entries both warpgroups step as masked ones: the pending dQ carried through them."""
+@pytest.mark.parametrize("head_dim,variant", [(128, "dq_column_halves_step_late"),
+                                               (64, "dq_row_halves_step_late")])
+def test_fused_dq_a_step_late_walks_a_block_table(interpret, head_dim, variant, seed):
+  """The fused dQ in halves (of the columns at head_dim 128, of the rows at 64) a step late
+  (`dq_step_late`) over a block table, whose skipped entries both warpgroups step as masked
+  ones: the pending dQ carried through them."""
   from test_mosaic_gpu import _VARIANTS, _poison_allocator, kernel_table
-  with kernel_table(128, _VARIANTS["dq_column_halves_step_late"]):
+  with kernel_table(head_dim, _VARIANTS[variant]):
     if not interpret:
       _poison_allocator(256 << 20)
     _check_structured_mask("documents_B1TS", seed, q_len=300 if interpret else 1000,
-                           kv_len=333 if interpret else 1537, head_dim=128, interpret=interpret)
+                           kv_len=333 if interpret else 1537, head_dim=head_dim,
+                           interpret=interpret)
 
 
 def test_position_only_mask_fn_is_classified_while_tracing():

@@ -149,6 +149,14 @@ _VARIANTS = {
     "table_d64_always_fused": {"dkv": dataclasses.replace(
         config_lib.DEFAULTS[(64, "dkv")], separate_dq_max_blocks_skewed=0,
         separate_dq_max_blocks=0)},
+    # ... with dQ in row halves (each warpgroup 64 of the 128 query rows, from both warpgroups'
+    # dS^T), and those a step late.
+    "dq_row_halves": {"dkv": dataclasses.replace(
+        config_lib.DEFAULTS[(64, "dkv")], dq_row_halves=True, separate_dq_max_blocks_skewed=0,
+        separate_dq_max_blocks=0)},
+    "dq_row_halves_step_late": {"dkv": dataclasses.replace(
+        config_lib.DEFAULTS[(64, "dkv")], dq_row_halves=True, dq_step_late=True,
+        compute_registers=240, separate_dq_max_blocks_skewed=0, separate_dq_max_blocks=0)},
     # ... and head_dim 128's (its K / V tiles' descriptors built in the step), which the table
     # runs where key tiles visit over 8 query blocks.
     "table_d128_always_fused": {"dkv": dataclasses.replace(
@@ -291,6 +299,15 @@ _VARIANT_CASES = [
     ("table_d128_always_fused", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("table_d64_always_fused", cases.get_case("gqa_causal_lengths_113x203")),
     ("table_d64_always_fused", cases.get_case("mqa_113x203")),  # not causal
+    # head_dim 64's row halves: both warpgroups step every query block of the CTA, a group of 4
+    # per kv head, rows with no key; a step late, the pending dQ across heads and key tiles
+    # with no visible query.
+    ("dq_row_halves", _CAUSAL_203),
+    ("dq_row_halves", cases.get_case("gqa_causal_lengths_113x203")),
+    ("dq_row_halves_step_late", _CAUSAL_203),
+    ("dq_row_halves_step_late", cases.get_case("mqa_113x203")),
+    ("dq_row_halves_step_late", cases.get_case("lengths_kv0_113x203")),
+    ("dq_row_halves_step_late", cases.get_case("window_l32_r8_203x113")),
     ("table_d128_always_fused", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
     ("descriptors_in_step", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("overlap_dkv_descriptors_in_step", cases.get_case("gqa_causal_lengths_113x203")),
@@ -505,6 +522,8 @@ _LOWERED_VARIANTS = [
                      co_issue_dkv=True, co_issue_dq=True)}),
     (128, {"dq": _K(64, 64, co_issue_dp=True, dq_lhs_in_registers=True)}),
     (128, _VARIANTS["dq_column_halves_step_late"]),
+    (64, _VARIANTS["dq_row_halves"]),
+    (64, _VARIANTS["dq_row_halves_step_late"]),
     (128, {"dq": _K(64, 64, dq_lhs_in_registers=True, dq_in_flight=True,
                     compute_registers=240)}),
     (128, {"dq": _K(64, 64, stages=3, overlap_dq=True)}),
@@ -531,11 +550,23 @@ def test_co_issue_dq_needs_the_fused_dq():
 
 
 @pytest.mark.parametrize("changes", [dict(dq_column_halves=False), dict(co_issue_dq=False)])
-def test_dq_step_late_needs_co_issued_column_halves(changes):
+def test_dq_step_late_needs_co_issued_halves(changes):
   fields = dict(fused_dq=True, dq_column_halves=True, co_issue_dq=True, dq_step_late=True)
   _K(64, 64, **fields)
-  with pytest.raises(ValueError, match="dq_step_late.*dq_column_halves=True and co_issue_dq"):
+  _K(128, 64, **{**fields, "dq_column_halves": False, "dq_row_halves": True})
+  with pytest.raises(ValueError, match="dq_step_late.*dq_row_halves=True, and co_issue_dq"):
     _K(64, 64, **{**fields, **changes})
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(block_q=64, fused_dq=True, dq_row_halves=True), "dq_row_halves needs block_q a multiple"),
+    (dict(block_q=128, dq_row_halves=True), "dq_row_halves is a layout of the fused dQ"),
+    (dict(block_q=128, fused_dq=True, dq_row_halves=True, dq_column_halves=True), "take one"),
+    (dict(block_q=128, fused_dq=True, dq_row_halves=True, head_split=True), "head_split"),
+])
+def test_dq_row_halves_is_checked(fields, message):
+  with pytest.raises(ValueError, match=message):
+    _K(block_kv=64, **fields)
 
 
 @pytest.mark.parametrize("head_dim,is_causal,window,seq,fused", [
@@ -962,6 +993,20 @@ _GPU_VARIANTS = {
               cases.get_case("gqa_causal_lengths_113x203"))])
 def test_gpu_variants_match_reference(variant, case, seed):
   with kernel_table(case.head_dim, _GPU_VARIANTS[variant]):
+    _poison_allocator(64 << 20)
+    cases.check_case(case, "mosaic_gpu", seed=seed)
+
+
+# head_dim 64's dK/dV/dQ kernel with dQ in row halves (the layouts only head_dim 64 takes).
+@gpu
+@pytest.mark.parametrize("variant,case", [
+    pytest.param(v, c.replace(dtype=cases.BF16, head_dim=64), id=f"{v}-{c.name}-d64")
+    for v in ("dq_row_halves", "dq_row_halves_step_late")
+    for c in (cases.get_case("causal_1023x1024"), cases.get_case("mha_1000x1000"),
+              cases.get_case("gqa_causal_window_lengths_1000x1000"),
+              cases.get_case("gqa_causal_lengths_113x203"))])
+def test_gpu_d64_row_halves_match_reference(variant, case, seed):
+  with kernel_table(64, _VARIANTS[variant]):
     _poison_allocator(64 << 20)
     cases.check_case(case, "mosaic_gpu", seed=seed)
 

@@ -378,7 +378,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       lo, full_lo, full_hi, hi = common.key_tile_query_ranges(
           spec, kv_start, block_kv, block_q, num_q_blocks, q_length, kv_length,
           within=(cta_lo, cta_hi))
-      if cfg.dq_column_halves:  # both warpgroups step the CTA's whole range (masked outside ours)
+      if cfg.dq_halves:  # both warpgroups step the CTA's whole range (masked outside ours)
         lo, hi = cta_lo, cta_hi
     key_scores = mods_lib.TileScorer.create(mods, spec, scale, mod_refs, batch=batch,
                                             row_start=kv_start, rows=block_kv,
@@ -396,7 +396,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       plgpu.barrier_wait(delta_full.at[slot])
 
     if dq_acc_ref is not None:
-      # (dq_column_halves: `halves_met` holds the two meetings: dS^T tiles ready, per ring slot;
+      # (dq_halves: `halves_met` holds the two meetings: dS^T tiles ready, per ring slot;
       # both warpgroups past their last dQ wgmma, before the K tiles carry dK out.)
       ds_smem, dq_out_smem, *halves_met = dq_smem
       # dq_step_late: per slot of the dS^T ring, both warpgroups' dQ wgmmas that read it done.
@@ -405,29 +405,39 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       # no TMA reduction); compiled, every CTA adds into the one zeroed dQ.
       dq_dest = (dq_acc_ref.at[lax.axis_index("kv_tiles") * _WGS + wg] if dq_partials
                  else dq_acc_ref)
+      # This warpgroup's dQ part, [dq_rows, dq_width]: the query block's rows `dq_row_slice`
+      # and columns `dq_columns` (dq_column_halves: a half of the columns; dq_row_halves: of the
+      # rows; plain fused_dq: all of both).
+      dq_rows = block_q // 2 if cfg.dq_row_halves else block_q
       dq_width = head_dim // 2 if cfg.dq_column_halves else head_dim
-      dq_columns = pl.ds(wg * dq_width, dq_width)  # (dq_column_halves: this warpgroup's half)
+      dq_part = (dq_rows, dq_width)
+      dq_row_slice = pl.ds(wg * dq_rows if cfg.dq_row_halves else 0, dq_rows)
+      dq_columns = pl.ds(wg * dq_width if cfg.dq_column_halves else 0, dq_width)
 
     def dq_operands(dst, slot):
       """Writes this warpgroup's dS^T to shared memory, where the dQ wgmma reads it transposed,
       and returns that wgmma's (lhs, rhs) pairs: plain fused_dq, dS times this warpgroup's K
       tile, every column; dq_column_halves, both warpgroups' dS (they meet at `halves_met[0]`)
-      times the matching half of the columns of both K tiles. (Ring slot `slot`'s dS^T tiles
+      times the matching half of the columns of both K tiles; dq_row_halves, this warpgroup's
+      half of the rows of both warpgroups' dS times both K tiles. (Ring slot `slot`'s dS^T tiles
       are rewritten only after both warpgroups released the slot, so after both read them.)
       (dK's wgmma keeps reading dS^T from registers: reading it from here instead spilled more
       and was 5-9% slower on the H200, benchmarks/NOTES.md session 6.)"""
-      own_ds = ds_smem.at[slot, wg] if cfg.dq_column_halves else ds_smem.at[wg]
+      own_ds = ds_smem.at[slot, wg] if cfg.dq_halves else ds_smem.at[wg]
       own_ds[...] = dst
       plgpu.commit_smem()
-      if not cfg.dq_column_halves:
+      if not cfg.dq_halves:
         return [(own_ds.T, k_smem.at[same_tile(wg)])]
       plgpu.barrier_arrive(halves_met[0].at[slot])
       return halves_pairs(slot)
 
     def halves_pairs(slot):
-      """dq_column_halves: the dQ wgmma pairs of the dS^T tiles in slot `slot`, once both
-      warpgroups have written theirs."""
+      """dq_halves: the dQ wgmma pairs of the dS^T tiles in slot `slot`, once both warpgroups
+      have written theirs."""
       plgpu.barrier_wait(halves_met[0].at[slot])
+      if cfg.dq_row_halves:  # (dS^T's columns are the query rows)
+        return [(ds_smem.at[slot, w, :, dq_row_slice].T, k_smem.at[same_tile(w)])
+                for w in range(_WGS)]
       return [(ds_smem.at[slot, w].T, k_smem.at[same_tile(w), :, dq_columns])
               for w in range(_WGS)]
 
@@ -454,9 +464,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
     def reduce_dq(part, head, qi):
       """dQ[qi block (, this warpgroup's half)] += part, by a TMA reduce-add from shared memory."""
-      rows_out = (batch, pl.ds(qi * block_q, block_q), head)
-      if cfg.dq_column_halves:
-        rows_out = (*rows_out, dq_columns)
+      rows_out = (batch, pl.ds(qi * block_q + dq_row_slice.start, dq_rows), head, dq_columns)
       common.reduce_add(part, dq_out_smem.at[wg], dq_dest.at[rows_out], dq_partials)
 
     # The interpreter's staging tile for register A operands (`common.matmul_acc`); compiled,
@@ -526,7 +534,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
             count = acc["late_dq"][0]
             accs, part = common.matmul_accs_then_product(
                 tuple(accumulating.values()), lambda: late_dq_operands(dst, count),
-                (block_q, dq_width), stage)
+                dq_part, stage)
             acc.update(zip(accumulating, accs))
             plgpu.barrier_arrive(ds_read.at[1 - lax.rem(count, 2)])  # (read: done)
             reduce_late_dq(part, acc["late_dq"])
@@ -534,7 +542,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           elif dq_acc_ref is not None and cfg.co_issue_dq:
             accs, part = common.matmul_accs_then_product(
                 tuple(accumulating.values()), lambda: dq_operands(dst, slot),
-                (block_q, dq_width), stage)
+                dq_part, stage)
             acc.update(zip(accumulating, accs))
             reduce_dq(part, dq_head, qi)
           else:
@@ -543,7 +551,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
             else:
               acc["dk"] = common.matmul_acc(*accumulating["dk"], stage)
             if dq_acc_ref is not None:
-              reduce_dq(common.matmul_sum(dq_operands(dst, slot), (block_q, dq_width)),
+              reduce_dq(common.matmul_sum(dq_operands(dst, slot), dq_part),
                         dq_head, qi)
         plgpu.barrier_arrive(slot_free.at[slot])
         return acc
@@ -587,7 +595,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
         step, release = step_overlapped, release_overlapped
       if cta_list is not None:  # entry i of this head is ring step g * per_head + i
         return cta_list.visit(wg, carry, slot_of=lambda i: lax.rem(g * per_head + i, stages),
-                              release=release, step=step, step_every=cfg.dq_column_halves)
+                              release=release, step=step, step_every=cfg.dq_halves)
       step_base = g * per_head - cta_lo  # ring step of query block qi is step_base + qi
       slot_of = lambda qi: lax.rem(step_base + qi, stages)
       release_block = lambda qi, c: release(slot_of(qi), c)
@@ -645,9 +653,9 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     if late:  # the last step's dQ, then the last phase of the slots' free barrier observed
       count = acc["late_dq"][0]
       reduce_late_dq(common.matmul_sum(halves_pairs(1 - lax.rem(count, 2)),
-                                       (block_q, dq_width)), acc["late_dq"])
+                                       dq_part), acc["late_dq"])
       plgpu.barrier_wait(ds_read.at[lax.rem(count, 2)])
-    if dq_acc_ref is not None and cfg.dq_column_halves:
+    if dq_acc_ref is not None and cfg.dq_halves:
       # The other warpgroup's dQ wgmmas read this warpgroup's K tile, which is about to be
       # overwritten with dK: wait until both are past their last one.
       plgpu.barrier_arrive(halves_met[1])
@@ -776,18 +784,18 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
   tile = lambda *shape: plgpu.SMEM(shape, dtype, transforms=common.TILE_TRANSFORMS)
   ring = lambda: plgpu.Barrier(num_barriers=cfg.stages)
   fused_dq = cfg.fused_dq if fused_dq is None else fused_dq
-  halves = cfg.dq_column_halves
+  halves = cfg.dq_halves
   # (dq_step_late: a dS^T ring of its own, two slots, the step before's read while this one's
   # is written; else the dS^T tiles follow the q ring's slots.)
   ds_slots = 2 if cfg.dq_step_late else cfg.stages
   dq_tiles = [
-      # dS^T, read transposed by the dQ wgmma (dq_column_halves: one per ring slot, read by both
+      # dS^T, read transposed by the dQ wgmma (dq_halves: one per ring slot, read by both
       # warpgroups)
       tile(*((ds_slots,) if halves else ()), _WGS, cfg.block_kv, cfg.block_q),
       # dQ part, out by reduce-add
-      common.f32_tile((_WGS, cfg.block_q, head_dim // 2 if halves else head_dim),
-                      cfg.swizzle_f32),
-      # dq_column_halves: both warpgroups' dS^T of a ring slot are in shared memory; both are
+      common.f32_tile((_WGS, cfg.block_q // 2 if cfg.dq_row_halves else cfg.block_q,
+                       head_dim // 2 if cfg.dq_column_halves else head_dim), cfg.swizzle_f32),
+      # dq_halves: both warpgroups' dS^T of a ring slot are in shared memory; both are
       # past their last dQ wgmma (which reads both K tiles)
       *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=ds_slots),
          plgpu.Barrier(num_arrivals=_WGS)] if halves else []),

@@ -112,6 +112,15 @@ class KernelConfig:
   # less, and runs 0.96-1.03x the separate dQ kernel (benchmarks/NOTES.md); in the table at
   # head_dim 128's long rows with `dq_step_late`, which takes the warpgroups out of lockstep.
   dq_column_halves: bool = False
+  # dK/dV with fused_dq: dQ's part split by rows instead, for head_dims whose columns do not
+  # halve into whole 64-column tiles of K (head_dim 64): each warpgroup makes half of the query
+  # block's rows, [block_q / 2, head_dim], from both warpgroups' dS^T tiles (their matching
+  # columns, read transposed) times both whole K tiles. What the column halves save, in the
+  # other direction: half the dQ registers and half the reduce-add bytes of plain fused_dq (at
+  # head_dim 64, block_q 128: a [128, 64] float32 part, 32 KiB a warpgroup a step, twice head_dim
+  # 128's bytes per FLOP), and the same meetings (with `dq_step_late`, a step late). Needs
+  # block_q a multiple of 128 (halves of whole 64-row wgmma tiles).
+  dq_row_halves: bool = False
   # Forward only: a persistent grid. One CTA per SM (NUM_SMS; a few in the interpreter) walks
   # the (batch, head, query tile) work items in `grid_order` (fastest axis first), CTA c taking
   # items c, c + #CTAs, ... (a static schedule; with `reverse_q_tiles` under a causal mask and
@@ -242,18 +251,18 @@ class KernelConfig:
   co_issue_dkv: bool = False
   # dK/dV with fused_dq: the dQ wgmma is issued right behind dK's (and dV's, with co_issue_dkv),
   # and they are awaited once. The dS^T tile is written to shared memory, and with
-  # dq_column_halves the warpgroups meet, while dK's wgmma runs; without it dK's wgmma is
+  # dq_column_halves (dq_row_halves) the warpgroups meet, while dK's wgmma runs; without it dK's wgmma is
   # awaited before dS^T is written, and dQ's before the step goes on. On at head_dim 64 with
   # co_issue_dkv (H200, fwd+bwd 1.03-1.08x; benchmarks/NOTES.md session 13); at 128 with the
   # column halves and `dq_step_late` (alone, the fused kernels are no faster than the
   # separate dQ kernel there).
   co_issue_dq: bool = False
-  # dK/dV with dq_column_halves and co_issue_dq: each step's dQ wgmmas take both warpgroups'
-  # dS^T tiles of the step before, written a step ago (a two-slot dS^T ring of their own),
-  # not this step's, so neither warpgroup waits at a step for the other's dS^T of that step:
-  # meeting every step holds the two in lockstep, both on the CUDA cores (P^T, dS^T) at once
-  # while the tensor cores idle. They may now drift apart by up to a step. The last step's dQ
-  # is made after the walk.
+  # dK/dV with dq_column_halves (or dq_row_halves) and co_issue_dq: each step's dQ wgmmas take
+  # both warpgroups' dS^T tiles of the step before, written a step ago (a two-slot dS^T ring of
+  # their own), not this step's, so neither warpgroup waits at a step for the other's dS^T of
+  # that step: meeting every step holds the two in lockstep, both on the CUDA cores (P^T, dS^T)
+  # at once while the tensor cores idle. They may now drift apart by up to a step. The last
+  # step's dQ is made after the walk.
   dq_step_late: bool = False
   # dQ (not head_split): each step's dQ += dS K wgmma (dS through one of two shared-memory tiles
   # per warpgroup) is left running into the next step, whose S (and dP) wgmmas are issued behind
@@ -338,6 +347,12 @@ class KernelConfig:
     its call having `kv_heads` (batch, kv head) pairs."""
     return kv_heads <= self.snake_max_kv_heads and _mean_and_skew(tile_blocks)[1]
 
+  @property
+  def dq_halves(self) -> bool:
+    """Whether each warpgroup makes half of the fused dQ part from both warpgroups' dS^T tiles
+    (`dq_column_halves` or `dq_row_halves`): the warpgroups meet for them."""
+    return self.dq_column_halves or self.dq_row_halves
+
   def fuses_dq(self, key_tile_blocks) -> bool:
     """Whether the backward makes dQ in this dK/dV config's kernel, its key tiles visiting
     `key_tile_blocks` query blocks each (`separate_dq_max_blocks_skewed`)."""
@@ -378,10 +393,11 @@ class KernelConfig:
                        f"slot is waited for), got stages={self.stages}")
     if self.fused_dq and self.split_dkv:
       raise ValueError("fused_dq needs dK and dV from one launch (split_dkv=False)")
-    if self.head_split and (self.split_dkv or self.dq_column_halves or self.co_issue_dq
+    if self.head_split and (self.split_dkv or self.dq_halves or self.co_issue_dq
                             or self.dq_step_late):
       raise ValueError("head_split is a layout of its own: it takes no split_dkv, "
-                       "dq_column_halves, co_issue_dq or dq_step_late (its fused dQ is made in "
+                       "dq_column_halves, dq_row_halves, co_issue_dq or dq_step_late (its fused "
+                       "dQ is made in "
                        "column halves, issued behind dK's wgmma, already)")
     if self.one_do_slot and not (self.head_split and self.fused_dq and self.stages >= 2):
       raise ValueError(f"one_do_slot is an option of head_split with fused_dq and stages >= 2 "
@@ -425,11 +441,19 @@ class KernelConfig:
                        f"must be >= 0")
     if self.co_issue_dq and not self.fused_dq:
       raise ValueError("co_issue_dq issues the fused dQ's wgmma: it needs fused_dq=True")
-    if self.dq_step_late and not (self.dq_column_halves and self.co_issue_dq):
-      raise ValueError("dq_step_late is a layout of the fused dQ in column halves with its "
-                       "wgmma co-issued: it needs dq_column_halves=True and co_issue_dq=True")
-    if self.dq_column_halves and not self.fused_dq:
-      raise ValueError("dq_column_halves is a layout of the fused dQ: it needs fused_dq=True")
+    if self.dq_step_late and not (self.dq_halves and self.co_issue_dq):
+      raise ValueError("dq_step_late is a layout of the fused dQ in halves with its wgmma "
+                       "co-issued: it needs dq_column_halves=True or dq_row_halves=True, and "
+                       "co_issue_dq=True")
+    for halves in ("dq_column_halves", "dq_row_halves"):
+      if getattr(self, halves) and not self.fused_dq:
+        raise ValueError(f"{halves} is a layout of the fused dQ: it needs fused_dq=True")
+    if self.dq_column_halves and self.dq_row_halves:
+      raise ValueError("dq_column_halves and dq_row_halves are two layouts of the fused dQ: "
+                       "take one")
+    if self.dq_row_halves and self.block_q % 128:
+      raise ValueError(f"dq_row_halves needs block_q a multiple of 128 (two halves of whole "
+                       f"64-row tiles), got block_q {self.block_q}")
     if self.compute_warpgroups not in (2, 3):
       raise ValueError(f"compute_warpgroups must be 2 or 3, got {self.compute_warpgroups}")
     if self.compute_warpgroups == 3 and self.ping_pong:
@@ -475,7 +499,8 @@ def _mean_and_skew(tile_blocks) -> tuple[float | None, bool]:
 # separate dK/dV kernel keeps its descriptors hoisted: H200, 0.94-1.00x with them in the step at
 # head_dim 128 though it stops spilling, 0.97-0.99x at 256 (benchmarks/NOTES.md sessions 20, 21).
 UNFUSED_DQ = types.MappingProxyType(dict(
-    fused_dq=False, co_issue_dq=False, dq_column_halves=False, dq_step_late=False,
+    fused_dq=False, co_issue_dq=False, dq_column_halves=False, dq_row_halves=False,
+    dq_step_late=False,
     one_do_slot=False, defer_last_dq_part=False, tile_descriptors_in_step=False,
     separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0))
 
