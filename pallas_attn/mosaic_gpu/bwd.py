@@ -405,14 +405,13 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       # no TMA reduction); compiled, every CTA adds into the one zeroed dQ.
       dq_dest = (dq_acc_ref.at[lax.axis_index("kv_tiles") * _WGS + wg] if dq_partials
                  else dq_acc_ref)
-      # This warpgroup's dQ part, [dq_rows, dq_width]: the query block's rows `dq_row_slice`
-      # and columns `dq_columns` (dq_column_halves: a half of the columns; dq_row_halves: of the
-      # rows; plain fused_dq: all of both).
+      # This warpgroup's dQ part, [dq_rows, dq_width]: with dq_row_halves the query block's rows
+      # `dq_row_slice`, with dq_column_halves its columns `dq_columns`; plain fused_dq, all.
       dq_rows = block_q // 2 if cfg.dq_row_halves else block_q
       dq_width = head_dim // 2 if cfg.dq_column_halves else head_dim
       dq_part = (dq_rows, dq_width)
-      dq_row_slice = pl.ds(wg * dq_rows if cfg.dq_row_halves else 0, dq_rows)
-      dq_columns = pl.ds(wg * dq_width if cfg.dq_column_halves else 0, dq_width)
+      dq_row_slice = pl.ds(wg * dq_rows, dq_rows)  # (dq_row_halves only)
+      dq_columns = pl.ds(wg * dq_width, dq_width)  # (dq_column_halves only)
 
     def dq_operands(dst, slot):
       """Writes this warpgroup's dS^T to shared memory, where the dQ wgmma reads it transposed,
@@ -464,7 +463,12 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
     def reduce_dq(part, head, qi):
       """dQ[qi block (, this warpgroup's half)] += part, by a TMA reduce-add from shared memory."""
-      rows_out = (batch, pl.ds(qi * block_q + dq_row_slice.start, dq_rows), head, dq_columns)
+      rows_start = qi * block_q
+      if cfg.dq_row_halves:
+        rows_start += dq_row_slice.start
+      rows_out = (batch, pl.ds(rows_start, dq_rows), head)
+      if cfg.dq_column_halves:
+        rows_out = (*rows_out, dq_columns)
       common.reduce_add(part, dq_out_smem.at[wg], dq_dest.at[rows_out], dq_partials)
 
     # The interpreter's staging tile for register A operands (`common.matmul_acc`); compiled,
