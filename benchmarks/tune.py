@@ -435,11 +435,9 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
     return f"does not apply: head_split needs head_dim a multiple of 128, not {shape.head_dim}"
   if dkv_changes.get("dq_column_halves") and shape.head_dim < 128:
     return f"does not apply: dQ column halves need head_dim >= 128, not {shape.head_dim}"
-  if dkv_changes.get("dq_row_halves") and not (table_dkv.fused_dq and table_dkv.block_q % 128 == 0
-                                               and not table_dkv.dq_column_halves
-                                               and not table_dkv.head_split):
-    return (f"does not apply: dQ row halves split head_dim 64's fused [128, head_dim] dQ part, "
-            f"not head_dim {shape.head_dim}'s")
+  if dkv_changes.get("dq_row_halves") and table_dkv.block_q % 128:
+    return (f"does not apply: dQ row halves need the dK/dV kernel's 128-row query blocks "
+            f"(head_dim 64's), not head_dim {shape.head_dim}'s {table_dkv.block_q}")
   try:
     cfgs = variant_configs(name, shape.head_dim)
   except ValueError as e:

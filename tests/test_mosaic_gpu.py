@@ -94,9 +94,13 @@ def test_explicit_mosaic_gpu_without_hopper_says_so():
 # (benchmarks/tune.py), each combining several options so that few runs cover them all.
 
 _K = config_lib.KernelConfig
-# name -> {pass: config}; the table's entry for the other passes.
 _THREE_WGS = _K(64, 128, compute_warpgroups=3, ping_pong=False, compute_registers=160,
                fold_scale=True)
+# The table's head_dim 64 dK/dV/dQ kernel at every length (the table itself takes the separate
+# dQ kernel on rows of a few blocks: `separate_dq_max_blocks(_skewed)`).
+_D64_ALWAYS_FUSED = dataclasses.replace(config_lib.DEFAULTS[(64, "dkv")],
+                                        separate_dq_max_blocks_skewed=0, separate_dq_max_blocks=0)
+# name -> {pass: config}; the table's entry for the other passes.
 _VARIANTS = {
     "kv192_reversed_tiles_first": {
         "fwd": _K(64, 192, reverse_q_tiles=True, grid_order=("tiles", "heads", "batch")),
@@ -144,19 +148,12 @@ _VARIANTS = {
     "dq_column_halves_step_late": {"dkv": _K(64, 64, fused_dq=True, dq_column_halves=True,
                                              co_issue_dkv=True, co_issue_dq=True,
                                              dq_step_late=True, compute_registers=240)},
-    # The table's head_dim 64 dK/dV/dQ kernel where the table itself takes the separate dQ
-    # kernel (rows of a few blocks: `separate_dq_max_blocks(_skewed)`).
-    "table_d64_always_fused": {"dkv": dataclasses.replace(
-        config_lib.DEFAULTS[(64, "dkv")], separate_dq_max_blocks_skewed=0,
-        separate_dq_max_blocks=0)},
+    "table_d64_always_fused": {"dkv": _D64_ALWAYS_FUSED},
     # ... with dQ in row halves (each warpgroup 64 of the 128 query rows, from both warpgroups'
     # dS^T), and those a step late.
-    "dq_row_halves": {"dkv": dataclasses.replace(
-        config_lib.DEFAULTS[(64, "dkv")], dq_row_halves=True, separate_dq_max_blocks_skewed=0,
-        separate_dq_max_blocks=0)},
+    "dq_row_halves": {"dkv": dataclasses.replace(_D64_ALWAYS_FUSED, dq_row_halves=True)},
     "dq_row_halves_step_late": {"dkv": dataclasses.replace(
-        config_lib.DEFAULTS[(64, "dkv")], dq_row_halves=True, dq_step_late=True,
-        compute_registers=240, separate_dq_max_blocks_skewed=0, separate_dq_max_blocks=0)},
+        _D64_ALWAYS_FUSED, dq_row_halves=True, dq_step_late=True, compute_registers=240)},
     # ... and head_dim 128's (its K / V tiles' descriptors built in the step), which the table
     # runs where key tiles visit over 8 query blocks.
     "table_d128_always_fused": {"dkv": dataclasses.replace(
@@ -964,6 +961,8 @@ _GPU_VARIANTS = {
     "fused_dq_co_issue_dkv_dq": _VARIANTS["fused_dq_co_issue_dkv_dq"],
     "dq_column_halves_co_issue_dq": _VARIANTS["dq_column_halves_co_issue_dq"],
     "dq_column_halves_step_late": _VARIANTS["dq_column_halves_step_late"],
+    "dq_row_halves": _VARIANTS["dq_row_halves"],  # (head_dim 64: `_GPU_VARIANT_HEAD_DIMS`)
+    "dq_row_halves_step_late": _VARIANTS["dq_row_halves_step_late"],
     "table_d128_always_fused": _VARIANTS["table_d128_always_fused"],
     "descriptors_in_step": _VARIANTS["descriptors_in_step"],
     "overlap_dkv_descriptors_in_step": _VARIANTS["overlap_dkv_descriptors_in_step"],
@@ -984,29 +983,21 @@ _GPU_VARIANTS = {
 }
 
 
+# The GPU variants' head_dim where not 128: head_dim 64's dK/dV/dQ kernel with dQ in row halves
+# (layouts only head_dim 64 takes).
+_GPU_VARIANT_HEAD_DIMS = {"dq_row_halves": 64, "dq_row_halves_step_late": 64}
+
+
 @gpu
 @pytest.mark.parametrize("variant,case", [
-    pytest.param(v, c.replace(dtype=cases.BF16, head_dim=128), id=f"{v}-{c.name}-d128")
+    pytest.param(v, c.replace(dtype=cases.BF16, head_dim=d), id=f"{v}-{c.name}-d{d}")
     for v in _GPU_VARIANTS
+    for d in (_GPU_VARIANT_HEAD_DIMS.get(v, 128),)
     for c in (cases.get_case("causal_1023x1024"), cases.get_case("mha_1000x1000"),
               cases.get_case("gqa_causal_window_lengths_1000x1000"),
               cases.get_case("gqa_causal_lengths_113x203"))])
 def test_gpu_variants_match_reference(variant, case, seed):
   with kernel_table(case.head_dim, _GPU_VARIANTS[variant]):
-    _poison_allocator(64 << 20)
-    cases.check_case(case, "mosaic_gpu", seed=seed)
-
-
-# head_dim 64's dK/dV/dQ kernel with dQ in row halves (the layouts only head_dim 64 takes).
-@gpu
-@pytest.mark.parametrize("variant,case", [
-    pytest.param(v, c.replace(dtype=cases.BF16, head_dim=64), id=f"{v}-{c.name}-d64")
-    for v in ("dq_row_halves", "dq_row_halves_step_late")
-    for c in (cases.get_case("causal_1023x1024"), cases.get_case("mha_1000x1000"),
-              cases.get_case("gqa_causal_window_lengths_1000x1000"),
-              cases.get_case("gqa_causal_lengths_113x203"))])
-def test_gpu_d64_row_halves_match_reference(variant, case, seed):
-  with kernel_table(64, _VARIANTS[variant]):
     _poison_allocator(64 << 20)
     cases.check_case(case, "mosaic_gpu", seed=seed)
 

@@ -251,10 +251,10 @@ class KernelConfig:
   co_issue_dkv: bool = False
   # dK/dV with fused_dq: the dQ wgmma is issued right behind dK's (and dV's, with co_issue_dkv),
   # and they are awaited once. The dS^T tile is written to shared memory, and with
-  # dq_column_halves (dq_row_halves) the warpgroups meet, while dK's wgmma runs; without it dK's wgmma is
-  # awaited before dS^T is written, and dQ's before the step goes on. On at head_dim 64 with
-  # co_issue_dkv (H200, fwd+bwd 1.03-1.08x; benchmarks/NOTES.md session 13); at 128 with the
-  # column halves and `dq_step_late` (alone, the fused kernels are no faster than the
+  # dq_column_halves (or dq_row_halves) the warpgroups meet, while dK's wgmma runs; without it
+  # dK's wgmma is awaited before dS^T is written, and dQ's before the step goes on. On at
+  # head_dim 64 with co_issue_dkv (H200, fwd+bwd 1.03-1.08x; benchmarks/NOTES.md session 13); at
+  # 128 with the column halves and `dq_step_late` (alone, the fused kernels are no faster than the
   # separate dQ kernel there).
   co_issue_dq: bool = False
   # dK/dV with dq_column_halves (or dq_row_halves) and co_issue_dq: each step's dQ wgmmas take
@@ -397,8 +397,7 @@ class KernelConfig:
                             or self.dq_step_late):
       raise ValueError("head_split is a layout of its own: it takes no split_dkv, "
                        "dq_column_halves, dq_row_halves, co_issue_dq or dq_step_late (its fused "
-                       "dQ is made in "
-                       "column halves, issued behind dK's wgmma, already)")
+                       "dQ is made in column halves, issued behind dK's wgmma, already)")
     if self.one_do_slot and not (self.head_split and self.fused_dq and self.stages >= 2):
       raise ValueError(f"one_do_slot is an option of head_split with fused_dq and stages >= 2 "
                        f"(a second q stage beside one dO slot), got head_split={self.head_split}, "
@@ -500,8 +499,8 @@ def _mean_and_skew(tile_blocks) -> tuple[float | None, bool]:
 # head_dim 128 though it stops spilling, 0.97-0.99x at 256 (benchmarks/NOTES.md sessions 20, 21).
 UNFUSED_DQ = types.MappingProxyType(dict(
     fused_dq=False, co_issue_dq=False, dq_column_halves=False, dq_row_halves=False,
-    dq_step_late=False,
-    one_do_slot=False, defer_last_dq_part=False, tile_descriptors_in_step=False,
+    dq_step_late=False, one_do_slot=False, defer_last_dq_part=False,
+    tile_descriptors_in_step=False,
     separate_dq_max_blocks=0, separate_dq_max_blocks_skewed=0))
 
 
