@@ -407,9 +407,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                  else dq_acc_ref)
       # This warpgroup's dQ part, [dq_rows, dq_width]: with dq_row_halves the query block's rows
       # `dq_row_slice`, with dq_column_halves its columns `dq_columns`; plain fused_dq, all.
-      dq_rows = block_q // 2 if cfg.dq_row_halves else block_q
-      dq_width = head_dim // 2 if cfg.dq_column_halves else head_dim
-      dq_part = (dq_rows, dq_width)
+      dq_part = cfg.dq_part_shape(head_dim)
+      dq_rows, dq_width = dq_part
       dq_row_slice = pl.ds(wg * dq_rows, dq_rows)  # (dq_row_halves only)
       dq_columns = pl.ds(wg * dq_width, dq_width)  # (dq_column_halves only)
 
@@ -797,8 +796,7 @@ def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interp
       # warpgroups)
       tile(*((ds_slots,) if halves else ()), _WGS, cfg.block_kv, cfg.block_q),
       # dQ part, out by reduce-add
-      common.f32_tile((_WGS, cfg.block_q // 2 if cfg.dq_row_halves else cfg.block_q,
-                       head_dim // 2 if cfg.dq_column_halves else head_dim), cfg.swizzle_f32),
+      common.f32_tile((_WGS, *cfg.dq_part_shape(head_dim)), cfg.swizzle_f32),
       # dq_halves: both warpgroups' dS^T of a ring slot are in shared memory; both are
       # past their last dQ wgmma (which reads both K tiles)
       *([plgpu.Barrier(num_arrivals=_WGS, num_barriers=ds_slots),

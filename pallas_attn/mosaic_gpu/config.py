@@ -353,6 +353,13 @@ class KernelConfig:
     (`dq_column_halves` or `dq_row_halves`): the warpgroups meet for them."""
     return self.dq_column_halves or self.dq_row_halves
 
+  def dq_part_shape(self, head_dim: int) -> tuple[int, int]:
+    """The fused dQ part a warpgroup makes a step and sends out by reduce-add, [rows, columns]:
+    half the query block's rows with `dq_row_halves`, half of head_dim with `dq_column_halves`,
+    else the whole [block_q, head_dim]."""
+    return (self.block_q // 2 if self.dq_row_halves else self.block_q,
+            head_dim // 2 if self.dq_column_halves else head_dim)
+
   def fuses_dq(self, key_tile_blocks) -> bool:
     """Whether the backward makes dQ in this dK/dV config's kernel, its key tiles visiting
     `key_tile_blocks` query blocks each (`separate_dq_max_blocks_skewed`)."""
