@@ -316,12 +316,15 @@ VARIANTS: dict[str, dict[str, dict]] = {
     "dkv_separate_dq_up_to_4": {"dkv": dict(separate_dq_max_blocks=4)},
     # Session 36. head_dim 64's dK/dV/dQ kernel with dQ in row halves (each warpgroup 64 of the
     # 128 query rows, from both warpgroups' dS^T tiles: half the float32 reduce-add bytes and
-    # dQ registers of the table's), co-issued as the table's, then a step late (as head_dim
-    # 128's column halves), at 232 and 240 registers.
-    "dkv_row_halves": {"dkv": dict(dq_row_halves=True)},
-    "dkv_row_halves_late": {"dkv": dict(dq_row_halves=True, dq_step_late=True)},
-    "dkv_row_halves_late_regs240": {"dkv": dict(dq_row_halves=True, dq_step_late=True,
-                                                compute_registers=240)},
+    # dQ registers of the whole block's), in the table a step late at 240 registers since
+    # session 38. Against it: the whole-block dQ (the table before), and the row halves co-issued
+    # in lockstep or a step late at 232 registers (session 38's H100 tuner run: 0.92-1.00x and
+    # 0.95-1.02x the table's).
+    "dkv_whole_dq": {"dkv": dict(dq_row_halves=False, dq_step_late=False,
+                                 compute_registers=232)},
+    "dkv_row_halves_lockstep": {"dkv": dict(dq_row_halves=True, dq_step_late=False,
+                                            compute_registers=232)},
+    "dkv_row_halves_late_regs232": {"dkv": dict(dq_row_halves=True, compute_registers=232)},
     # head_dim 128's dQ kernel over 128-key blocks (wgmma N 128 for S and dP: a sixth fewer
     # shared-memory bytes per FLOP than N 64, whose operand reads alone fill the 128 B a clock).
     "dq_kv128_regs240": {"dq": dict(block_kv=128, compute_registers=240)},
@@ -438,6 +441,12 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
   if dkv_changes.get("dq_row_halves") and table_dkv.block_q % 128:
     return (f"does not apply: dQ row halves need the dK/dV kernel's 128-row query blocks "
             f"(head_dim 64's), not head_dim {shape.head_dim}'s {table_dkv.block_q}")
+  # A variant undoing the row halves over the fused table (`_from_unfused` ones name all of the
+  # fused dQ's fields, row halves off, and build from the unfused kernel: not this).
+  if (dkv_changes.get("dq_row_halves") is False and "fused_dq" not in dkv_changes
+      and not table_dkv.dq_row_halves):
+    return (f"does not apply: it undoes head_dim 64's dQ row halves, which head_dim "
+            f"{shape.head_dim}'s table does not have")
   try:
     cfgs = variant_configs(name, shape.head_dim)
   except ValueError as e:

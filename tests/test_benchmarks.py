@@ -408,7 +408,7 @@ def test_tune_variants_are_valid_or_say_why_not():
     assert tune.why_not(name, d128, jnp.bfloat16) is None, name
   assert tune.why_not("fwd_kv256", d128, jnp.bfloat16).startswith("does not fit")
   d64 = shapes.Shape(4, 4096, 4096, 32, 32, 64, False, "fa")
-  for name in ("dkv_row_halves", "dkv_row_halves_late", "dkv_row_halves_late_regs240"):
+  for name in ("dkv_whole_dq", "dkv_row_halves_lockstep", "dkv_row_halves_late_regs232"):
     assert tune.why_not(name, d64, jnp.bfloat16) is None, name
     assert tune.why_not(name, d128, jnp.bfloat16).startswith("does not apply"), name
 

@@ -620,8 +620,14 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # separate dQ kernel (H200: 1.17 / 1.11 / 1.03x at N 512 / 1024 / 2048; session 14), and
     # non-causal rows of at most 4 (N 512; H100: 1.05-1.06x in a tuner run and a sweep, 0.97-1.01x
     # at N 1024; session 35).
+    # The fused dQ in row halves (each warpgroup makes 64 rows of the 128-row block's dQ: half the
+    # reduce-add bytes), a step late, 240 registers (spill stores 216-268 B a thread down to 48
+    # non-causal, 392-416 to 448 causal). H100, fwd+bwd over the whole-block dQ in one tuner run:
+    # 1.04-1.07x at N 2048-16384 non-causal, 1.05 / 1.07 / 1.04x causal at N 4096 / 8192 / 16384
+    # (benchmarks/NOTES.md session 38).
     (64, "dkv"): KernelConfig(block_q=128, block_kv=64, fused_dq=True, co_issue_dkv=True,
-                              co_issue_dq=True, separate_dq_max_blocks_skewed=12,
+                              co_issue_dq=True, dq_row_halves=True, dq_step_late=True,
+                              compute_registers=240, separate_dq_max_blocks_skewed=12,
                               separate_dq_max_blocks=4),
     # head_dim 128: the fused dQ in column halves, dV's, dK's and dQ's wgmmas issued together,
     # dQ's a step late, 240 registers, and the K / V tiles' descriptors built in the step (its
