@@ -149,9 +149,13 @@ _VARIANTS = {
                                              co_issue_dkv=True, co_issue_dq=True,
                                              dq_step_late=True, compute_registers=240)},
     "table_d64_always_fused": {"dkv": _D64_ALWAYS_FUSED},
-    # ... with dQ in row halves (each warpgroup 64 of the 128 query rows, from both warpgroups'
-    # dS^T), and those a step late.
-    "dq_row_halves": {"dkv": dataclasses.replace(_D64_ALWAYS_FUSED, dq_row_halves=True)},
+    # ... with dQ of the whole 128-row query block in each warpgroup (the table before session
+    # 38), in row halves (each warpgroup 64 of the 128 query rows, from both warpgroups' dS^T)
+    # in lockstep, and those a step late (the table since).
+    "dq_whole_block": {"dkv": dataclasses.replace(
+        _D64_ALWAYS_FUSED, dq_row_halves=False, dq_step_late=False, compute_registers=232)},
+    "dq_row_halves": {"dkv": dataclasses.replace(
+        _D64_ALWAYS_FUSED, dq_row_halves=True, dq_step_late=False, compute_registers=232)},
     "dq_row_halves_step_late": {"dkv": dataclasses.replace(
         _D64_ALWAYS_FUSED, dq_row_halves=True, dq_step_late=True, compute_registers=240)},
     # ... and head_dim 128's (its K / V tiles' descriptors built in the step), which the table
@@ -296,13 +300,15 @@ _VARIANT_CASES = [
     ("table_d128_always_fused", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("table_d64_always_fused", cases.get_case("gqa_causal_lengths_113x203")),
     ("table_d64_always_fused", cases.get_case("mqa_113x203")),  # not causal
+    # head_dim 64's whole-block dQ (the table before session 38).
+    ("dq_whole_block", _CAUSAL_203),
+    ("dq_whole_block", cases.get_case("gqa_causal_lengths_113x203")),
     # head_dim 64's row halves: both warpgroups step every query block of the CTA, a group of 4
     # per kv head, rows with no key; a step late, the pending dQ across heads and key tiles
     # with no visible query.
     ("dq_row_halves", _CAUSAL_203),
     ("dq_row_halves", cases.get_case("gqa_causal_lengths_113x203")),
-    ("dq_row_halves_step_late", _CAUSAL_203),
-    ("dq_row_halves_step_late", cases.get_case("mqa_113x203")),
+    # (causal and mqa_113x203 a step late: the table's, `table_d64_always_fused` above.)
     ("dq_row_halves_step_late", cases.get_case("lengths_kv0_113x203")),
     ("dq_row_halves_step_late", cases.get_case("window_l32_r8_203x113")),
     ("table_d128_always_fused", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
@@ -1051,8 +1057,10 @@ _GPU_D64_BACKWARD_LAYOUTS = {
     "d64_fused_co_issue_dq": _VARIANTS["fused_dq_co_issue_dq"]["dkv"],
     "d64_fused_co_issue_dkv_dq_regs240": _K(128, 64, fused_dq=True, co_issue_dkv=True,
                                             co_issue_dq=True, compute_registers=240),
-    # The table's fused kernel on the causal rows the table gives the separate kernels.
+    # The table's fused kernel on the causal rows the table gives the separate kernels, and the
+    # table's before session 38 (whole-block dQ).
     "d64_table_always_fused": _VARIANTS["table_d64_always_fused"]["dkv"],
+    "d64_whole_block_dq": _VARIANTS["dq_whole_block"]["dkv"],
 }
 
 
