@@ -438,15 +438,14 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
     return f"does not apply: head_split needs head_dim a multiple of 128, not {shape.head_dim}"
   if dkv_changes.get("dq_column_halves") and shape.head_dim < 128:
     return f"does not apply: dQ column halves need head_dim >= 128, not {shape.head_dim}"
-  if dkv_changes.get("dq_row_halves") and table_dkv.block_q % 128:
-    return (f"does not apply: dQ row halves need the dK/dV kernel's 128-row query blocks "
-            f"(head_dim 64's), not head_dim {shape.head_dim}'s {table_dkv.block_q}")
-  # A variant undoing the row halves over the fused table (`_from_unfused` ones name all of the
-  # fused dQ's fields, row halves off, and build from the unfused kernel: not this).
-  if (dkv_changes.get("dq_row_halves") is False and "fused_dq" not in dkv_changes
-      and not table_dkv.dq_row_halves):
-    return (f"does not apply: it undoes head_dim 64's dQ row halves, which head_dim "
-            f"{shape.head_dim}'s table does not have")
+  # The row-halves variants (on or off: the whole-block dQ is head_dim 64's table before them)
+  # change the table's fused kernel; `_from_unfused` ones name every fused-dQ field, fused_dq
+  # included, and build from the unfused kernel instead.
+  if ("dq_row_halves" in dkv_changes and "fused_dq" not in dkv_changes
+      and table_dkv.block_q % 128):
+    return (f"does not apply: dQ row halves (on or off) are a layout of the dK/dV kernel's "
+            f"128-row query blocks (head_dim 64's), not head_dim {shape.head_dim}'s "
+            f"{table_dkv.block_q}")
   try:
     cfgs = variant_configs(name, shape.head_dim)
   except ValueError as e:
