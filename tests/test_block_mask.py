@@ -239,6 +239,20 @@ def test_fused_dq_a_step_late_walks_a_block_table(interpret, head_dim, variant, 
                            interpret=interpret)
 
 
+@pytest.mark.parametrize("interpret", [pytest.param(True, id="interpreted"),
+                                       pytest.param(False, id="gpu", marks=pytest.mark.gpu)])
+def test_group_parts_walk_the_group_union_table(interpret, seed):
+  """A group of 2 query heads in two dK/dV CTAs (`group_parts`), each walking the kv head's
+  block table (the union over the group's per-head documents) for its own head."""
+  from test_mosaic_gpu import _VARIANTS, _poison_allocator, kernel_table
+  with kernel_table(128, _VARIANTS["group_parts_2"]):
+    if not interpret:
+      _poison_allocator(256 << 20)
+    _check_structured_mask("head_documents_1HTS", seed, q_len=300 if interpret else 1000,
+                           kv_len=333 if interpret else 1537, head_dim=128,
+                           interpret=interpret)
+
+
 def test_position_only_mask_fn_is_classified_while_tracing():
   """A mask_fn of positions alone costs nothing per call: its tiles are computed while tracing
   (concrete arrays, equal to the per-call evaluation). One that reads the head index has none:

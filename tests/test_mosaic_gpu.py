@@ -163,6 +163,16 @@ _VARIANTS = {
     "table_d128_always_fused": {"dkv": dataclasses.replace(
         config_lib.DEFAULTS[(128, "dkv")], separate_dq_max_blocks=0,
         separate_dq_max_blocks_skewed=0)},
+    # A kv head's query-head group over group_parts CTAs, each writing its own dK / dV
+    # partials, added up after the kernel: head_dim 128's table, 2 heads a CTA of a group of 4
+    # (1 of a group of 2); head_dim 64's, 1 head a CTA (2 of a group of 2: gcd); the separate
+    # dK/dV kernel beside the dQ kernel.
+    "group_parts_2": {"dkv": dataclasses.replace(
+        config_lib.DEFAULTS[(128, "dkv")], separate_dq_max_blocks=0,
+        separate_dq_max_blocks_skewed=0, group_parts=2)},
+    "group_parts_4_d64": {"dkv": dataclasses.replace(_D64_ALWAYS_FUSED, group_parts=4)},
+    "group_parts_2_unfused": {"dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True,
+                                        group_parts=2)},
     # The K and V tiles' indices through an optimization barrier in each step (the fused
     # kernel's: `table_d128_always_fused`) in the separate dK/dV kernel, with and without the
     # overlap (the same products either way).
@@ -312,6 +322,15 @@ _VARIANT_CASES = [
     ("dq_row_halves_step_late", cases.get_case("lengths_kv0_113x203")),
     ("dq_row_halves_step_late", cases.get_case("window_l32_r8_203x113")),
     ("table_d128_always_fused", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
+    # A group of 4 in two parts (MQA), a group of 2 in two with lengths (and CTAs with no
+    # visible query), a window; one head a part at head_dim 64, causal, and gcd(4, 2) parts of
+    # a group of 2; the separate dK/dV kernel in parts.
+    ("group_parts_2", cases.get_case("mqa_113x203").replace(head_dim=128)),
+    ("group_parts_2", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
+    ("group_parts_2", cases.get_case("br_gqa_causal_window_l16_113x203").replace(head_dim=128)),
+    ("group_parts_4_d64", cases.get_case("mqa_causal_203x113")),
+    ("group_parts_4_d64", cases.get_case("gqa_causal_lengths_113x203")),
+    ("group_parts_2_unfused", cases.get_case("mqa_113x203")),
     ("descriptors_in_step", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("overlap_dkv_descriptors_in_step", cases.get_case("gqa_causal_lengths_113x203")),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
@@ -570,6 +589,15 @@ def test_dq_step_late_needs_co_issued_halves(changes):
 def test_dq_row_halves_is_checked(fields, message):
   with pytest.raises(ValueError, match=message):
     _K(block_kv=64, **fields)
+
+
+def test_group_parts_is_checked():
+  """group_parts splits the plain dK/dV kernel's group, in parts that divide it."""
+  assert [_K(64, 64, group_parts=4).group_parts_for(g) for g in (1, 2, 4, 8, 6)] == [1, 2, 4, 4, 2]
+  with pytest.raises(ValueError, match="group_parts must be >= 1"):
+    _K(64, 64, group_parts=0)
+  with pytest.raises(ValueError, match="group_parts is a layout of the plain dK/dV kernel"):
+    _K(64, 64, head_split=True, group_parts=2)
 
 
 @pytest.mark.parametrize("head_dim,is_causal,window,seq,fused", [
@@ -970,6 +998,8 @@ _GPU_VARIANTS = {
     "dq_row_halves": _VARIANTS["dq_row_halves"],  # (head_dim 64: `_GPU_VARIANT_HEAD_DIMS`)
     "dq_row_halves_step_late": _VARIANTS["dq_row_halves_step_late"],
     "table_d128_always_fused": _VARIANTS["table_d128_always_fused"],
+    "group_parts_2": _VARIANTS["group_parts_2"],
+    "group_parts_4_d64": _VARIANTS["group_parts_4_d64"],
     "descriptors_in_step": _VARIANTS["descriptors_in_step"],
     "overlap_dkv_descriptors_in_step": _VARIANTS["overlap_dkv_descriptors_in_step"],
     "persistent": {"fwd": _K(64, 128, persistent=True)},
@@ -990,8 +1020,9 @@ _GPU_VARIANTS = {
 
 
 # The GPU variants' head_dim where not 128: head_dim 64's dK/dV/dQ kernel with dQ in row halves
-# (layouts only head_dim 64 takes).
-_GPU_VARIANT_HEAD_DIMS = {"dq_row_halves": 64, "dq_row_halves_step_late": 64}
+# (layouts only head_dim 64 takes), and in group parts.
+_GPU_VARIANT_HEAD_DIMS = {"dq_row_halves": 64, "dq_row_halves_step_late": 64,
+                          "group_parts_4_d64": 64}
 
 
 @gpu

@@ -332,7 +332,7 @@ def dq_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpr
 def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_len_ref, mod_refs,
                 table_refs, dq_acc_ref, *refs, spec: mask_lib.MaskSpec, scale: float,
                 cfg: config_lib.KernelConfig,
-                num_q_blocks: int, groups: int, outputs: tuple[str, ...],
+                num_q_blocks: int, groups: int, group_parts: int, outputs: tuple[str, ...],
                 mods: mods_lib.KernelMods, dq_partials: bool):
   out_refs = dict(zip(outputs, refs[:len(outputs)]))
   (k_smem, v_smem, q_smem, do_smem, lse_smem, delta_smem, staging,
@@ -341,7 +341,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
   batch = lax.axis_index("batch")
-  kv_head = lax.axis_index("heads")
+  # The grid's heads axis: (kv head, part of its group) with cfg.group_parts, the CTA walking
+  # the `groups` query heads from first_head on and writing its own dK / dV partials there.
+  head_part = lax.axis_index("heads")
+  kv_head = lax.div(head_part, group_parts)
+  first_head = head_part * groups
   wg = lax.axis_index("wg")
   q_length = q_len_ref[batch]
   kv_length = kv_len_ref[batch]
@@ -362,7 +366,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
   common.produce_query_rows(
       wg, (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
-      (q_full, do_full, lse_full, delta_full), slot_free, batch=batch, kv_head=kv_head,
+      (q_full, do_full, lse_full, delta_full), slot_free, batch=batch, first_head=first_head,
       groups=groups, per_head=per_head, block_of=block_of, block_q=block_q, stages=stages,
       registers=cfg.producer_registers)
 
@@ -371,6 +375,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     plgpu.set_max_registers(cfg.compute_registers, action="increase")
     kv_start = cta_start + wg * block_kv
     rows = (batch, pl.ds(kv_start, block_kv), kv_head)
+    out_rows = (batch, pl.ds(kv_start, block_kv), head_part)  # (head_part = kv_head: parts 1)
     plgpu.copy_gmem_to_smem(k_ref.at[rows], k_smem.at[wg], kv_full.at[wg * 2 + 0])
     plgpu.copy_gmem_to_smem(v_ref.at[rows], v_smem.at[wg], kv_full.at[wg * 2 + 1])
 
@@ -477,7 +482,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     def one_head(g, carry, dkv_accs=None):
       # (The query head only matters to ALiBi, dropout and the user's functions: don't compute
       # it otherwise.)
-      scores = key_scores.for_head(kv_head * groups + g) if mods.per_head else key_scores
+      scores = key_scores.for_head(first_head + g) if mods.per_head else key_scores
 
       def observe_and_free(slot, c):
         """A skipped block's ring slot: its fill observed, then freed."""
@@ -532,7 +537,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
           accumulating = {"dk": (acc["dk"], dst, q_smem.at[slot])}
           if pairs:
             accumulating = {"dv": (acc["dv"], *dv_operands), **accumulating}
-          dq_head = kv_head * groups + g
+          dq_head = first_head + g
           if dq_acc_ref is not None and cfg.dq_step_late:
             count = acc["late_dq"][0]
             accs, part = common.matmul_accs_then_product(
@@ -670,7 +675,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       out_smem[name][...] = (acc[name] * (scale if name == "dk" else 1.0)).astype(dtype)
     plgpu.commit_smem()
     for name in outputs:
-      plgpu.copy_smem_to_gmem(out_smem[name], out_refs[name].at[rows])
+      plgpu.copy_smem_to_gmem(out_smem[name], out_refs[name].at[out_rows])
     plgpu.wait_smem_to_gmem(0)
 
 
@@ -755,17 +760,25 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, tab
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   fused_dq = dq_acc is not None
+  parts = cfg.group_parts_for(heads_q // heads_kv)
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
-                             num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv,
+                             num_q_blocks=q_len // cfg.block_q,
+                             groups=heads_q // heads_kv // parts, group_parts=parts,
                              outputs=outputs, mods=mods, dq_partials=interpret)
-  grid, grid_names = cfg.grid(heads=heads_kv, tiles=kv_len // (_WGS * cfg.block_kv), batch=batch,
-                              tile_axis="kv_tiles")
-  return common.warp_specialized(
+  grid, grid_names = cfg.grid(heads=heads_kv * parts, tiles=kv_len // (_WGS * cfg.block_kv),
+                              batch=batch, tile_axis="kv_tiles")
+  # (group_parts: each part's own dK / dV [B, S, Hkv * parts, D], kv head h's at h * parts + p.)
+  part_sums = jax.ShapeDtypeStruct((batch, kv_len, heads_kv * parts, head_dim), k.dtype)
+  grads = common.warp_specialized(
       kernel, lambda interp: dkv_scratch_types(cfg, head_dim, q.dtype, interp, fused_dq=fused_dq),
-      out_type=tuple(jax.ShapeDtypeStruct(k.shape, k.dtype) for _ in outputs), grid=grid,
+      out_type=tuple(part_sums for _ in outputs), grid=grid,
       grid_names=grid_names, what=f"the dK/dV kernel with {cfg}", reduces=False,
       interpret=interpret)(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table,
                            dq_acc)
+  if parts == 1:
+    return grads
+  return tuple(g.reshape(batch, kv_len, heads_kv, parts, head_dim).sum(3, dtype=jnp.float32)
+               .astype(k.dtype) for g in grads)
 
 
 def key_tile_blocks(spec: mask_lib.MaskSpec, q_len: int, kv_len: int,

@@ -506,13 +506,13 @@ def produce_kv(k_ref, v_ref, k_smem, v_smem, k_full, v_full, k_free, v_free, *, 
   produce_ring(num_blocks, stages, issue, wait_free)
 
 
-def produce_query_rows(wg, refs, smems, fulls, slot_free, *, batch, kv_head, groups: int,
+def produce_query_rows(wg, refs, smems, fulls, slot_free, *, batch, first_head, groups: int,
                        per_head, block_of, block_q: int, stages: int, registers: int,
                        do_free=None):
-  """The producer warpgroup (wg == COMPUTE_WARPGROUPS) of the dK/dV kernels: for query head g
-  of the kv head's group
-  (g < groups) and its e-th visited query block block_of(e) (e < per_head), ring step
-  g * per_head + e loads that block's q and dO rows and its lse and delta into the ring.
+  """The producer warpgroup (wg == COMPUTE_WARPGROUPS) of the dK/dV kernels: for query head
+  first_head + g (g < groups: the CTA's heads of the kv head's group) and its e-th visited query
+  block block_of(e) (e < per_head), ring step g * per_head + e loads that block's q and dO rows
+  and its lse and delta into the ring.
   `refs`, `smems`, `fulls`: (q, dO, lse, delta) in global memory ([B, T, Hq, D] and [B, Hq, T]),
   their rings, and their slot-filled barriers; `slot_free`: the consumers' releases;
   `registers`: the producer's share (`KernelConfig.producer_registers`). `do_free`
@@ -520,7 +520,7 @@ def produce_query_rows(wg, refs, smems, fulls, slot_free, *, batch, kv_head, gro
   consumers free it there (mid-step), after the step's q, lse and delta."""
 
   def issue(i, slot, parts=(0, 1, 2, 3)):
-    head = kv_head * groups + lax.div(i, per_head)
+    head = first_head + lax.div(i, per_head)
     q_start = block_of(lax.rem(i, per_head)) * block_q
     rows = (batch, pl.ds(q_start, block_q), head)
     stats = (batch, head, pl.ds(q_start, block_q))

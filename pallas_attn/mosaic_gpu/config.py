@@ -26,6 +26,7 @@ launches: `split_dkv`).
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
@@ -318,6 +319,20 @@ class KernelConfig:
   # causal 0.97x at N 512 (4.5 on average), 1.00-1.11x at 1024-8192 (benchmarks/NOTES.md
   # session 20; before the descriptors, session 15: 0.85-0.98x below N 4096).
   separate_dq_max_blocks: int = 0
+  # dK/dV only (not head_split): CTAs a kv head's query-head group is split over, each walking
+  # groups / group_parts of the group's heads and writing its own dK / dV partial sums (in k's
+  # dtype, FlashAttention-2's per-head dK / dV at group_parts = groups) that one XLA fusion adds
+  # up in float32 after the kernel (gcd(group_parts, groups) where the group does not divide:
+  # 1 without GQA). Meant for long GQA rows, whose backward runs ~6% slower per FLOP than MHA's
+  # at N 16384 (H100, session 39). The suspect: one CTA walking the whole group lets the CTAs of
+  # a kv head drift apart by 2 steps per head walked (the causal key tiles' walks differ by 2
+  # query blocks), so the q / dO tiles and dQ lines they share leave L2 before the next CTA
+  # reads them. 1: the whole group in one CTA, summed in registers.
+  group_parts: int = 1
+
+  def group_parts_for(self, groups: int) -> int:
+    """The CTAs each kv head's `groups` query heads are split over (`group_parts`)."""
+    return math.gcd(self.group_parts, groups)
 
   def runs_persistent(self, tile_blocks) -> bool:
     """Whether the forward takes the persistent grid, its query tiles visiting `tile_blocks`
@@ -391,6 +406,10 @@ class KernelConfig:
     if self.block_q % 64 or self.block_kv % 64 or not (self.block_q and self.block_kv):
       raise ValueError(f"block_q ({self.block_q}) and block_kv ({self.block_kv}) must be "
                        f"positive multiples of 64 (the wgmma tile height)")
+    if self.group_parts < 1:
+      raise ValueError(f"group_parts must be >= 1, got {self.group_parts}")
+    if self.group_parts > 1 and self.head_split:
+      raise ValueError("group_parts is a layout of the plain dK/dV kernel, not of head_split")
     if self.block_kv > 256:
       raise ValueError(f"block_kv ({self.block_kv}) must be at most 256 (the wgmma width)")
     if self.stages < 1:
