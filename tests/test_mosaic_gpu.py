@@ -722,6 +722,26 @@ def test_variant_kernels_lower_for_cuda(head_dim, configs):
   assert lowered.as_text().count("mosaic_gpu_v2") >= (2 if fused_dq else 3)
 
 
+@pytest.mark.parametrize("head_dim,variant", [(128, "group_parts_2"), (64, "group_parts_4_d64")])
+def test_group_parts_lower_for_cuda(head_dim, variant):
+  """The dK/dV kernel over a group of 8 in parts passes the lowering for CUDA, its grid over
+  (kv head, part) and its outputs one [B, S, Hkv * parts, D] partial each, added after."""
+  q = jax.ShapeDtypeStruct((1, 300, 8, head_dim), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 300, 1, head_dim), jnp.bfloat16)
+  dkv_cfg = _VARIANTS[variant]["dkv"]
+
+  def loss(q, k, v):
+    out, _ = ops.attention(q, k, v, None, None, scale=0.1,
+                           spec=pallas_attn.MaskSpec(is_causal=True), dkv_cfg=dkv_cfg)
+    return out.astype(jnp.float32).sum()
+
+  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
+      lowering_platforms=("cuda",))
+  parts = dkv_cfg.group_parts_for(8)
+  assert 1 < parts < 8
+  assert f"1x384x{parts}x{head_dim}xbf16" in lowered.as_text()  # (keys padded to 384)
+
+
 @pytest.mark.parametrize("schedule_kind,num_q_tiles,units_other,num_ctas", [
     (kind, *shape) for kind in ("strided", "paired", "snake")
     for shape in ((8, 32, 132), (4, 6, 5), (2, 3, 7), (128, 16, 132), (5, 7, 4))
