@@ -9,7 +9,8 @@ With delta = rowsum(dO * O) precomputed, dS = P * (dP - delta) where dP = dO V^T
 - `dkv`: one CTA per 2 * block_kv key rows of a (batch, kv head); the producer streams q, dO,
   lse and delta tiles for every query head of the GQA group and every visible query block; each
   compute warpgroup accumulates dV = P^T dO and dK = scale * dS^T Q for its key rows, summed over
-  the group in registers (no per-query-head copy of dK/dV).
+  the group in registers (no per-query-head copy of dK/dV; with `group_parts`, over each part's
+  share of the group, the parts' dK/dV added after the kernel).
 Block skipping and end-of-range masking follow `mask` (with segment ids, a boolean mask or a
 mask_fn: a block table per CTA, `block_table.query_major` for dQ, `key_major` for dK/dV, one
 list per kv head for every query head of its group), and the score modifiers `mods`, exactly as
@@ -344,7 +345,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   # The grid's heads axis: (kv head, part of its group) with cfg.group_parts, the CTA walking
   # the `groups` query heads from first_head on and writing its own dK / dV partials there.
   head_part = lax.axis_index("heads")
-  kv_head = lax.div(head_part, group_parts)
+  kv_head = head_part if group_parts == 1 else lax.div(head_part, group_parts)
   first_head = head_part * groups
   wg = lax.axis_index("wg")
   q_length = q_len_ref[batch]
