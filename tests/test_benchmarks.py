@@ -937,3 +937,21 @@ def test_sink_descriptors_recomputes_each_descriptor_at_its_uses():
       "\tor.b64 \t%rd11, %rd4, 4611686568183201792;",
       "\twgmma {%r1}, %rd11, %rd7, p;",
   ]
+
+
+# ---- benchmarks/dkv_schedule_model.py ------------------------------------------------------
+
+def test_dkv_schedule_model_walks_every_step_once():
+  """Every (query head, query block) a causal key tile sees is walked once, whatever the group
+  parts; the list schedule ends at or past the mean load; the miss share is a share, and a
+  cache too small for any reuse misses every step."""
+  from benchmarks import dkv_schedule_model as model
+  walks = {parts: model.cta_walks(512, 2, 8, 2, parts) for parts in (1, 2, 4)}
+  for parts, w in walks.items():
+    assert len(w) == 2 * 4 * 2 * parts  # batch x key tiles x kv heads x parts
+    assert sorted(s for walk in w for s in walk) == sorted(s for walk in walks[1] for s in walk)
+  assert max(len(w) for w in walks[4]) * 4 == max(len(w) for w in walks[1])
+  assert model.makespan(walks[1], num_sms=3) >= 1.0
+  assert 0.0 < model.miss_share(walks[2], num_sms=3) < 1.0
+  assert model.miss_share(walks[2], num_sms=3, cache_bytes=0) == 1.0
+

@@ -324,10 +324,11 @@ class KernelConfig:
   # dtype, FlashAttention-2's per-head dK / dV at group_parts = groups) that one XLA fusion adds
   # up in float32 after the kernel (gcd(group_parts, groups) where the group does not divide:
   # 1 without GQA). Meant for long GQA rows, whose backward runs ~6% slower per FLOP than MHA's
-  # at N 16384 (H100, session 39). The suspect: one CTA walking the whole group lets the CTAs of
-  # a kv head drift apart by 2 steps per head walked (the causal key tiles' walks differ by 2
-  # query blocks), so the q / dO tiles and dQ lines they share leave L2 before the next CTA
-  # reads them. 1: the whole group in one CTA, summed in registers.
+  # at N 16384 (H100, session 39). The first suspect: one CTA walking the whole group lets the
+  # CTAs of a kv head drift apart by 2 steps per head walked (the causal key tiles' walks differ
+  # by 2 query blocks), so the q / dO tiles and dQ lines they share leave L2 before the next CTA
+  # reads them (an LRU model weakens it: benchmarks/NOTES.md session 39). Not yet run on a GPU.
+  # 1: the whole group in one CTA, summed in registers.
   group_parts: int = 1
 
   def group_parts_for(self, groups: int) -> int:
