@@ -326,8 +326,8 @@ VARIANTS: dict[str, dict[str, dict]] = {
                                             compute_registers=232)},
     "dkv_row_halves_late_regs232": {"dkv": dict(dq_row_halves=True, compute_registers=232)},
     # Session 39. A kv head's query-head group over 2 or 4 CTAs (`group_parts`), each walking
-    # its share of the group's heads and writing its own dK / dV partials (added after): the CTAs
-    # of one kv head walk as MHA's do. GQA rows only.
+    # its share of the group's heads and writing its own dK / dV partials (added after; at 4 parts
+    # of a group of 4 each CTA walks one head, as MHA's do). GQA rows only.
     "dkv_group_parts2": {"dkv": dict(group_parts=2)},
     "dkv_group_parts4": {"dkv": dict(group_parts=4)},
     # head_dim 128's dQ kernel over 128-key blocks (wgmma N 128 for S and dP: a sixth fewer
