@@ -100,6 +100,10 @@ _THREE_WGS = _K(64, 128, compute_warpgroups=3, ping_pong=False, compute_register
 # dQ kernel on rows of a few blocks: `separate_dq_max_blocks(_skewed)`).
 _D64_ALWAYS_FUSED = dataclasses.replace(config_lib.DEFAULTS[(64, "dkv")],
                                         separate_dq_max_blocks_skewed=0, separate_dq_max_blocks=0)
+# ... and head_dim 128's (its K / V tiles' descriptors built in the step), which the table runs
+# where key tiles visit over 8 query blocks.
+_D128_ALWAYS_FUSED = dataclasses.replace(config_lib.DEFAULTS[(128, "dkv")],
+                                         separate_dq_max_blocks_skewed=0, separate_dq_max_blocks=0)
 # name -> {pass: config}; the table's entry for the other passes.
 _VARIANTS = {
     "kv192_reversed_tiles_first": {
@@ -158,18 +162,13 @@ _VARIANTS = {
         _D64_ALWAYS_FUSED, dq_row_halves=True, dq_step_late=False, compute_registers=232)},
     "dq_row_halves_step_late": {"dkv": dataclasses.replace(
         _D64_ALWAYS_FUSED, dq_row_halves=True, dq_step_late=True, compute_registers=240)},
-    # ... and head_dim 128's (its K / V tiles' descriptors built in the step), which the table
-    # runs where key tiles visit over 8 query blocks.
-    "table_d128_always_fused": {"dkv": dataclasses.replace(
-        config_lib.DEFAULTS[(128, "dkv")], separate_dq_max_blocks=0,
-        separate_dq_max_blocks_skewed=0)},
+    # ... and head_dim 128's.
+    "table_d128_always_fused": {"dkv": _D128_ALWAYS_FUSED},
     # A kv head's query-head group over group_parts CTAs, each writing its own dK / dV
     # partials, added up after the kernel: head_dim 128's table, 2 heads a CTA of a group of 4
     # (1 of a group of 2); head_dim 64's, 1 head a CTA (2 of a group of 2: gcd); the separate
     # dK/dV kernel beside the dQ kernel.
-    "group_parts_2": {"dkv": dataclasses.replace(
-        config_lib.DEFAULTS[(128, "dkv")], separate_dq_max_blocks=0,
-        separate_dq_max_blocks_skewed=0, group_parts=2)},
+    "group_parts_2": {"dkv": dataclasses.replace(_D128_ALWAYS_FUSED, group_parts=2)},
     "group_parts_4_d64": {"dkv": dataclasses.replace(_D64_ALWAYS_FUSED, group_parts=4)},
     "group_parts_2_unfused": {"dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True,
                                         group_parts=2)},

@@ -111,8 +111,8 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   common.produce_query_rows(
       wg, (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
       (q_full, do_full, lse_full, delta_full), slot_free, batch=batch,
-      first_head=kv_head * groups, groups=groups, per_head=per_head, block_of=block_of, block_q=block_q, stages=stages,
-      registers=cfg.producer_registers, do_free=do_free)
+      first_head=kv_head * groups, groups=groups, per_head=per_head, block_of=block_of,
+      block_q=block_q, stages=stages, registers=cfg.producer_registers, do_free=do_free)
 
   rows = (batch, pl.ds(kv_start, block_kv), kv_head)
   acc_shape = (block_kv, head_dim // 2)
