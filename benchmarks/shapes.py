@@ -157,6 +157,13 @@ PRESETS = {
                                      for b in (2, 4)]
                                     + [Shape(1, 32768, 32768, 8, 8, 256, True, "long")]),
     "gqa": gqa,
+    # GQA's dK/dV group split (`group_split_min_blocks`, benchmarks/NOTES.md session 40): causal
+    # 32 / 8 at N 2048 / 8192 / 16384, a group of 8 (32 / 4), no mask, and head_dim 64.
+    "gqa_split": lambda: ([Shape(TOKENS // s, s, s, 32, 8, 128, True, "gqa")
+                           for s in (2048, 8192, 16384)]
+                          + [Shape(1, 16384, 16384, 32, 4, 128, True, "gqa"),
+                             Shape(1, 16384, 16384, 32, 8, 128, False, "gqa"),
+                             Shape(1, 16384, 16384, 32, 8, 64, True, "gqa")]),
     "decode": decode,
     "masked": masked,
     "masked_tiny": masked_tiny,

@@ -330,6 +330,8 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # of a group of 4 each CTA walks one head, as MHA's do). GQA rows only.
     "dkv_group_parts2": {"dkv": dict(group_parts=2)},
     "dkv_group_parts4": {"dkv": dict(group_parts=4)},
+    # The table's split of long causal groups off: each CTA walks its kv head's whole group.
+    "dkv_group_whole": {"dkv": dict(group_split_min_blocks=0)},
     # head_dim 128's dQ kernel over 128-key blocks (wgmma N 128 for S and dP: a sixth fewer
     # shared-memory bytes per FLOP than N 64, whose operand reads alone fill the 128 B a clock).
     "dq_kv128_regs240": {"dq": dict(block_kv=128, compute_registers=240)},
@@ -451,7 +453,8 @@ def why_not(name: str, shape: Shape, dtype) -> str | None:
     return (f"does not apply: dQ row halves (on or off) are a layout of the dK/dV kernel's "
             f"128-row query blocks (head_dim 64's), not head_dim {shape.head_dim}'s "
             f"{table_dkv.block_q}")
-  if dkv_changes.get("group_parts", 1) > 1 and shape.heads_q == shape.heads_kv:
+  if ((dkv_changes.get("group_parts", 1) > 1 or "group_split_min_blocks" in dkv_changes)
+      and shape.heads_q == shape.heads_kv):
     return "does not apply: group_parts splits a GQA group, and this shape has none"
   try:
     cfgs = variant_configs(name, shape.head_dim)

@@ -19,6 +19,7 @@ import pytest
 import cases
 import pallas_attn
 from pallas_attn import dispatch
+from pallas_attn.mosaic_gpu import bwd
 from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import ops
 
@@ -172,6 +173,9 @@ _VARIANTS = {
     "group_parts_4_d64": {"dkv": dataclasses.replace(_D64_ALWAYS_FUSED, group_parts=4)},
     "group_parts_2_unfused": {"dkv": _K(64, 64, co_issue_dp=True, co_issue_dkv=True,
                                         group_parts=2)},
+    # The table's rule (`group_split_min_blocks`) at a threshold short tests reach: causal
+    # walks of at least 2 query blocks on average go one query head a CTA.
+    "group_split": {"dkv": dataclasses.replace(_D128_ALWAYS_FUSED, group_split_min_blocks=2)},
     # The K and V tiles' indices through an optimization barrier in each step (the fused
     # kernel's: `table_d128_always_fused`) in the separate dK/dV kernel, with and without the
     # overlap (the same products either way).
@@ -330,6 +334,10 @@ _VARIANT_CASES = [
     ("group_parts_4_d64", cases.get_case("mqa_causal_203x113")),
     ("group_parts_4_d64", cases.get_case("gqa_causal_lengths_113x203")),
     ("group_parts_2_unfused", cases.get_case("mqa_113x203")),
+    # The rule splits the causal group of 2 with lengths (one head a CTA), not the
+    # non-causal MQA walk (its tiles alike: the whole group of 4 in one CTA).
+    ("group_split", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
+    ("group_split", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("descriptors_in_step", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("overlap_dkv_descriptors_in_step", cases.get_case("gqa_causal_lengths_113x203")),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
@@ -595,8 +603,38 @@ def test_group_parts_is_checked():
   assert [_K(64, 64, group_parts=4).group_parts_for(g) for g in (1, 2, 4, 8, 6)] == [1, 2, 4, 4, 2]
   with pytest.raises(ValueError, match="group_parts must be >= 1"):
     _K(64, 64, group_parts=0)
-  with pytest.raises(ValueError, match="group_parts is a layout of the plain dK/dV kernel"):
+  with pytest.raises(ValueError, match="layouts of the plain dK/dV kernel"):
     _K(64, 64, head_split=True, group_parts=2)
+
+
+def test_group_split_rule():
+  """`group_split_min_blocks`: one query head a CTA where the key tiles' walks are skewed
+  (causal) and long enough on average; the whole group otherwise, and an explicit group_parts
+  wins."""
+  causal_16 = [32 - 2 * t for t in range(16)]  # 16 key tiles of 2 blocks over 32 query blocks
+  assert sum(causal_16) / 16 == 17
+  rule = _K(64, 64, group_split_min_blocks=17)
+  assert [rule.group_parts_for(g, causal_16) for g in (1, 2, 4, 6)] == [1, 2, 4, 6]
+  assert _K(64, 64, group_split_min_blocks=18).group_parts_for(4, causal_16) == 1  # too short
+  assert rule.group_parts_for(4, [32] * 16) == 1  # not skewed (no mask)
+  assert rule.group_parts_for(4, []) == 1  # no key tiles
+  assert rule.group_parts_for(4) == 1
+  assert _K(64, 64, group_parts=2, group_split_min_blocks=17).group_parts_for(4, causal_16) == 2
+  with pytest.raises(ValueError, match="group_split_min_blocks must be >= 0"):
+    _K(64, 64, group_split_min_blocks=-1)
+  with pytest.raises(ValueError, match="layouts of the plain dK/dV kernel"):
+    _K(64, 64, head_split=True, group_split_min_blocks=48)
+
+
+def test_table_splits_long_causal_groups():
+  """head_dim 128's table splits a causal group of 4 at N 16384 (the measured gain) and keeps
+  it whole at N 4096 and without a mask."""
+  cfg = config_lib.DEFAULTS[(128, "dkv")]
+  blocks = lambda n, causal: bwd.key_tile_blocks(
+      pallas_attn.MaskSpec(is_causal=causal), n, n, cfg)
+  assert cfg.group_parts_for(4, blocks(16384, True)) == 4
+  assert cfg.group_parts_for(4, blocks(4096, True)) == 1
+  assert cfg.group_parts_for(4, blocks(16384, False)) == 1
 
 
 @pytest.mark.parametrize("head_dim,is_causal,window,seq,fused", [
@@ -1019,6 +1057,7 @@ _GPU_VARIANTS = {
     "table_d128_always_fused": _VARIANTS["table_d128_always_fused"],
     "group_parts_2": _VARIANTS["group_parts_2"],
     "group_parts_4_d64": _VARIANTS["group_parts_4_d64"],
+    "group_split": _VARIANTS["group_split"],
     "descriptors_in_step": _VARIANTS["descriptors_in_step"],
     "overlap_dkv_descriptors_in_step": _VARIANTS["overlap_dkv_descriptors_in_step"],
     "persistent": {"fwd": _K(64, 128, persistent=True)},

@@ -761,7 +761,7 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, tab
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   fused_dq = dq_acc is not None
-  parts = cfg.group_parts_for(heads_q // heads_kv)
+  parts = cfg.group_parts_for(heads_q // heads_kv, key_tile_blocks(spec, q_len, kv_len, cfg))
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
                              num_q_blocks=q_len // cfg.block_q,
                              groups=heads_q // heads_kv // parts, group_parts=parts,

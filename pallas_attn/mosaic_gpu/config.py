@@ -327,12 +327,25 @@ class KernelConfig:
   # at N 16384 (H100, session 39). The first suspect: one CTA walking the whole group lets the
   # CTAs of a kv head drift apart by 2 steps per head walked (the causal key tiles' walks differ
   # by 2 query blocks), so the q / dO tiles and dQ lines they share leave L2 before the next CTA
-  # reads them (an LRU model weakens it: benchmarks/NOTES.md session 39). Not yet run on a GPU.
-  # 1: the whole group in one CTA, summed in registers.
+  # reads them. H100, Nsight Compute at N 16384 causal, 32 / 8 heads against 16 / 16: the
+  # same kernel at 60.9 against 64.9% tensor-active, L2's load hit rate 82 against 95%, 4.4x the
+  # DRAM bytes a FLOP; at 4 parts (one head a CTA) fwd+bwd 1.04-1.07x the whole group in two
+  # tuner calls, 1.00-1.01x at N 4096 (benchmarks/NOTES.md session 40).
+  # 1: the whole group in one CTA, summed in registers (unless `group_split_min_blocks`).
   group_parts: int = 1
+  # With group_parts 1: one query head a CTA (group_parts = the group) where the key tiles'
+  # walks are skewed (causal) and visit at least this many query blocks on average, as measured
+  # above; the partials' bytes (the group's dK / dV written, read and added: ~3 x q's size) weigh
+  # less the longer the walk. 0: never.
+  group_split_min_blocks: int = 0
 
-  def group_parts_for(self, groups: int) -> int:
-    """The CTAs each kv head's `groups` query heads are split over (`group_parts`)."""
+  def group_parts_for(self, groups: int, key_tile_blocks=()) -> int:
+    """The CTAs each kv head's `groups` query heads are split over, its key tiles visiting
+    `key_tile_blocks` query blocks each (`group_parts`, `group_split_min_blocks`)."""
+    if self.group_parts == 1 and self.group_split_min_blocks:
+      mean, skewed = _mean_and_skew(key_tile_blocks)
+      if skewed and mean >= self.group_split_min_blocks:
+        return groups
     return math.gcd(self.group_parts, groups)
 
   def runs_persistent(self, tile_blocks) -> bool:
@@ -409,8 +422,11 @@ class KernelConfig:
                        f"positive multiples of 64 (the wgmma tile height)")
     if self.group_parts < 1:
       raise ValueError(f"group_parts must be >= 1, got {self.group_parts}")
-    if self.group_parts > 1 and self.head_split:
-      raise ValueError("group_parts is a layout of the plain dK/dV kernel, not of head_split")
+    if (self.group_parts > 1 or self.group_split_min_blocks) and self.head_split:
+      raise ValueError("group_parts and group_split_min_blocks are layouts of the plain dK/dV "
+                       "kernel, not of head_split")
+    if self.group_split_min_blocks < 0:
+      raise ValueError(f"group_split_min_blocks must be >= 0, got {self.group_split_min_blocks}")
     if self.block_kv > 256:
       raise ValueError(f"block_kv ({self.block_kv}) must be at most 256 (the wgmma width)")
     if self.stages < 1:
@@ -660,7 +676,8 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     (128, "dkv"): KernelConfig(block_q=64, block_kv=64, co_issue_dkv=True, fused_dq=True,
                                dq_column_halves=True, co_issue_dq=True, dq_step_late=True,
                                compute_registers=240, tile_descriptors_in_step=True,
-                               separate_dq_max_blocks=8, separate_dq_max_blocks_skewed=8),
+                               separate_dq_max_blocks=8, separate_dq_max_blocks_skewed=8,
+                               group_split_min_blocks=48),
     # head_dim 256: dK and dV split by columns between the warpgroups of one key tile (H200,
     # fwd+bwd 1.33-1.41x split_dkv's two launches at N 4096 / 16384, causal and not, in one tuner
     # run; benchmarks/NOTES.md session 8), with dQ fused in (FA3's head_dim 256 backward: no dQ
