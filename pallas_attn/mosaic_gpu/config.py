@@ -336,7 +336,7 @@ class KernelConfig:
   # With group_parts 1: one query head a CTA (group_parts = the group) where the key tiles'
   # walks are skewed (causal) and visit at least this many query blocks on average, as measured
   # above; the partials' bytes (the group's dK / dV written, read and added: ~3 x q's size) weigh
-  # less the longer the walk. 0: never.
+  # less the longer the walk. 0: never. (head_split's kernel walks the whole group: ignored.)
   group_split_min_blocks: int = 0
 
   def group_parts_for(self, groups: int, key_tile_blocks=()) -> int:
@@ -422,9 +422,8 @@ class KernelConfig:
                        f"positive multiples of 64 (the wgmma tile height)")
     if self.group_parts < 1:
       raise ValueError(f"group_parts must be >= 1, got {self.group_parts}")
-    if (self.group_parts > 1 or self.group_split_min_blocks) and self.head_split:
-      raise ValueError("group_parts and group_split_min_blocks are layouts of the plain dK/dV "
-                       "kernel, not of head_split")
+    if self.group_parts > 1 and self.head_split:
+      raise ValueError("group_parts is a layout of the plain dK/dV kernel, not of head_split")
     if self.group_split_min_blocks < 0:
       raise ValueError(f"group_split_min_blocks must be >= 0, got {self.group_split_min_blocks}")
     if self.block_kv > 256:
