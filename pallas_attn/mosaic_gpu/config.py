@@ -334,9 +334,9 @@ class KernelConfig:
   # 1: the whole group in one CTA, summed in registers (unless `group_split_min_blocks`).
   group_parts: int = 1
   # With group_parts 1: one query head a CTA (group_parts = the group) where the key tiles'
-  # walks are skewed (causal) and visit at least this many query blocks on average, as measured
-  # above; the partials' bytes (the group's dK / dV written, read and added: ~3 x q's size) weigh
-  # less the longer the walk. 0: never. (head_split's kernel walks the whole group: ignored.)
+  # walks are skewed (causal) and visit at least this many query blocks on average; the
+  # partials' bytes (the group's dK / dV written, read and added) weigh less the longer the walk.
+  # 0: never. (head_split's kernel walks the whole group: ignored.)
   group_split_min_blocks: int = 0
 
   def group_parts_for(self, groups: int, key_tile_blocks=()) -> int:
@@ -672,6 +672,10 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # causal N 4096 1.05x (benchmarks/NOTES.md session 20). Where the key tiles visit at most 8
     # query blocks on average (N 512 causal or not; 1.00 / 0.97x there) the separate dQ kernel,
     # whose dK/dV co-issues dP's wgmma as dQ does (`backward_configs`).
+    # GQA: causal walks of at least 48 query blocks on average (N >= 8192) one query head a CTA
+    # (`group_split_min_blocks`). H100, fwd+bwd over the whole group a CTA in one tuner call:
+    # 32 / 8 heads 1.03x at N 8192, 1.05-1.07x at 16384, a group of 8 1.08x; at N 2048 one head
+    # a CTA 0.96x, at 4096 1.00-1.01x (two calls); no mask at N 16384 1.00x (session 40).
     (128, "dkv"): KernelConfig(block_q=64, block_kv=64, co_issue_dkv=True, fused_dq=True,
                                dq_column_halves=True, co_issue_dq=True, dq_step_late=True,
                                compute_registers=240, tile_descriptors_in_step=True,
