@@ -777,6 +777,26 @@ def test_group_parts_lower_for_cuda(head_dim, variant):
   assert f"1x384x{parts}x{head_dim}xbf16" in lowered.as_text()  # (keys padded to 384)
 
 
+@pytest.mark.parametrize("is_causal", [True, False])
+def test_group_split_lowers_one_head_a_cta(is_causal):
+  """The rule at the call: a causal group of 4 (its key tiles visit 6, 4, 2 and 0 query blocks)
+  lowers one query head a dK/dV CTA, its partials [B, S, Hq, D]; without a mask, the whole
+  group ([B, S, Hkv, D], which the kernel writes anyway)."""
+  q = jax.ShapeDtypeStruct((1, 300, 8, 128), jnp.bfloat16)
+  k = jax.ShapeDtypeStruct((1, 500, 2, 128), jnp.bfloat16)
+
+  def loss(q, k, v):
+    out, _ = ops.attention(q, k, v, None, None, scale=0.1,
+                           spec=pallas_attn.MaskSpec(is_causal=is_causal),
+                           dkv_cfg=_VARIANTS["group_split"]["dkv"])
+    return out.astype(jnp.float32).sum()
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert ("1x512x8x128xbf16" in text) == is_causal  # (keys padded to 512)
+  assert "1x512x2x128xbf16" in text
+
+
 @pytest.mark.parametrize("schedule_kind,num_q_tiles,units_other,num_ctas", [
     (kind, *shape) for kind in ("strided", "paired", "snake")
     for shape in ((8, 32, 132), (4, 6, 5), (2, 3, 7), (128, 16, 132), (5, 7, 4))
