@@ -164,6 +164,11 @@ PRESETS = {
                           + [Shape(1, 16384, 16384, 32, 4, 128, True, "gqa"),
                              Shape(1, 16384, 16384, 32, 8, 128, False, "gqa"),
                              Shape(1, 16384, 16384, 32, 8, 64, True, "gqa")]),
+    # The split at head_dim 256 (the head split's dK/dV kernel): causal groups of 4 and 2 at
+    # N 8192 / 16384, hidden 4096 query-side, and the MHA row beside them (per-FLOP ratios).
+    "gqa_split_d256": lambda: ([Shape(TOKENS // s, s, s, 16, kv, 256, True, "gqa")
+                                for s in (8192, 16384) for kv in (4, 8)]
+                               + [Shape(1, 16384, 16384, 16, 16, 256, True, "gqa")]),
     "decode": decode,
     "masked": masked,
     "masked_tiny": masked_tiny,

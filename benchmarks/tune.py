@@ -330,8 +330,10 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # of a group of 4 each CTA walks one head, as MHA's do). GQA rows only.
     "dkv_group_parts2": {"dkv": dict(group_parts=2)},
     "dkv_group_parts4": {"dkv": dict(group_parts=4)},
-    # The table's split of long causal groups off: each CTA walks its kv head's whole group.
+    # The table's split of long causal groups off: each CTA walks its kv head's whole group;
+    # and the rule where the table has none (head_dim 64, 256's head split; session 40).
     "dkv_group_whole": {"dkv": dict(group_split_min_blocks=0)},
+    "dkv_group_split48": {"dkv": dict(group_split_min_blocks=48)},
     # head_dim 128's dQ kernel over 128-key blocks (wgmma N 128 for S and dP: a sixth fewer
     # shared-memory bytes per FLOP than N 64, whose operand reads alone fill the 128 B a clock).
     "dq_kv128_regs240": {"dq": dict(block_kv=128, compute_registers=240)},

@@ -258,6 +258,9 @@ _GQA_CAUSAL_460 = _GQA_CAUSAL_203.replace(q_len=460, kv_len=460, name="gqa_causa
 _GQA_CAUSAL_LENGTHS_330 = cases.get_case("gqa_causal_lengths_113x203").replace(
     q_len=330, kv_len=330, q_lengths=[330, 201], kv_lengths=[150, 330],
     name="gqa_causal_lengths_330x330")
+# MQA with as many queries as keys: too many to pack the group into tile rows (`gqa_pack`), so
+# the backward walks the group (mqa_113x203's 113 queries are packed: one head a kv head).
+_MQA_203 = cases.get_case("mqa_113x203").replace(q_len=203, name="mqa_203x203")
 _VARIANT_CASES = [
     ("kv192_reversed_tiles_first", _CAUSAL_203),
     ("kv192_reversed_tiles_first", cases.get_case("mqa_113x203")),  # dK/dV sums a group of 4
@@ -328,16 +331,16 @@ _VARIANT_CASES = [
     # A group of 4 in two parts (MQA), a group of 2 in two with lengths (and CTAs with no
     # visible query), a window; one head a part at head_dim 64, causal, and gcd(4, 2) parts of
     # a group of 2; the separate dK/dV kernel in parts.
-    ("group_parts_2", cases.get_case("mqa_113x203").replace(head_dim=128)),
+    ("group_parts_2", _MQA_203.replace(head_dim=128)),
     ("group_parts_2", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
     ("group_parts_2", cases.get_case("br_gqa_causal_window_l16_113x203").replace(head_dim=128)),
     ("group_parts_4_d64", cases.get_case("mqa_causal_203x113")),
     ("group_parts_4_d64", cases.get_case("gqa_causal_lengths_113x203")),
-    ("group_parts_2_unfused", cases.get_case("mqa_113x203")),
+    ("group_parts_2_unfused", _MQA_203),
     # The rule splits the causal group of 2 with lengths (one head a CTA), not the
     # non-causal MQA walk (its tiles alike: the whole group of 4 in one CTA).
     ("group_split", _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
-    ("group_split", cases.get_case("mqa_113x203").replace(head_dim=128)),
+    ("group_split", _MQA_203.replace(head_dim=128)),
     ("descriptors_in_step", cases.get_case("mqa_113x203").replace(head_dim=128)),
     ("overlap_dkv_descriptors_in_step", cases.get_case("gqa_causal_lengths_113x203")),
     ("dq_in_flight", _CAUSAL_203.replace(head_dim=128)),
@@ -603,8 +606,6 @@ def test_group_parts_is_checked():
   assert [_K(64, 64, group_parts=4).group_parts_for(g) for g in (1, 2, 4, 8, 6)] == [1, 2, 4, 4, 2]
   with pytest.raises(ValueError, match="group_parts must be >= 1"):
     _K(64, 64, group_parts=0)
-  with pytest.raises(ValueError, match="group_parts is a layout of the plain dK/dV kernel"):
-    _K(64, 64, head_split=True, group_parts=2)
 
 
 def test_group_split_rule():

@@ -26,7 +26,7 @@ import test_mosaic_gpu_mods as mods_tests
 from pallas_attn.mosaic_gpu import block_table
 from pallas_attn.mosaic_gpu import config as config_lib
 from pallas_attn.mosaic_gpu import ops
-from test_mosaic_gpu import _poison_allocator, kernel_table
+from test_mosaic_gpu import _GQA_CAUSAL_LENGTHS_330, _poison_allocator, kernel_table
 
 _K = config_lib.KernelConfig
 HEAD_SPLIT = _K(64, 64, head_split=True)
@@ -46,6 +46,12 @@ TWO_Q_STAGES = _K(64, 64, head_split=True, fused_dq=True, one_do_slot=True,
                   compute_registers=240, tile_descriptors_in_step=True)
 # ... each warpgroup's last dQ part of a step sent under the next step's first wgmma.
 DEFERRED = dataclasses.replace(TWO_Q_STAGES, defer_last_dq_part=True)
+# A kv head's query-head group over 2 CTAs (`group_parts`), each writing its own dK / dV
+# partials; and the table's rule at a threshold short tests reach (causal walks of at least 2
+# query blocks on average: one query head a CTA).
+DEFERRED_PARTS = dataclasses.replace(DEFERRED, group_parts=2)
+HEAD_SPLIT_PARTS = dataclasses.replace(HEAD_SPLIT, group_parts=2)
+DEFERRED_SPLIT = dataclasses.replace(DEFERRED, group_split_min_blocks=2)
 
 
 def _both(cfg):
@@ -95,6 +101,13 @@ _INTERPRETED = [
     (DEFERRED, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
     (dataclasses.replace(FUSED, defer_last_dq_part=True),
      cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
+    # The group in parts: causal MQA's 4 heads in 2 CTAs of 2 (the fused dQ's head and the
+    # carried part's from the part's first head), a group of 2 with key lengths one head a CTA
+    # (the separate kernels), and the rule splitting a causal group of 2 with lengths (its key
+    # tiles visit 3.5 query blocks on average; 113 x 203's 0.75 would not split).
+    (DEFERRED_PARTS, cases.get_case("mqa_causal_203x113").replace(head_dim=256)),
+    (HEAD_SPLIT_PARTS, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    (DEFERRED_SPLIT, _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
 ]
 
 
@@ -105,7 +118,9 @@ _INTERPRETED = [
                      f"{'-fused' if cfg.fused_dq else ''}"
                      f"{'-in_step' if cfg.tile_descriptors_in_step else ''}"
                      f"{'-one_do_slot' if cfg.one_do_slot else ''}"
-                     f"{'-deferred' if cfg.defer_last_dq_part else ''}-{c.name}-d{c.head_dim}"))
+                     f"{'-deferred' if cfg.defer_last_dq_part else ''}"
+                     f"{f'-parts{cfg.group_parts}' if cfg.group_parts > 1 else ''}"
+                     f"{'-split' if cfg.group_split_min_blocks else ''}-{c.name}-d{c.head_dim}"))
     for cfg, c in _INTERPRETED])
 def test_interpreted_head_split_matches_reference(cfg, case, seed):
   with kernel_table(case.head_dim, _both(cfg)):
@@ -125,10 +140,11 @@ def test_interpreted_head_split_dq_reversed_beside_plain_dkv(seed):
                                                ("segments_causal_150x150", 128, HEAD_SPLIT),
                                                ("segments_causal_150x150", 128, DP_AHEAD),
                                                ("all_gqa_lengths_113x203", 256, DEFERRED),
-                                               ("segments_causal_150x150", 256, DEFERRED)])
+                                               ("segments_causal_150x150", 256, DEFERRED),
+                                               ("all_gqa_lengths_113x203", 128, DEFERRED_PARTS)])
 def test_interpreted_head_split_with_modifiers(name, head_dim, cfg, seed):
-  """Soft-cap (dS times its derivative), ALiBi per query head of the group, segment ids (the
-  block table with one list per key tile), lengths."""
+  """Soft-cap (dS times its derivative), ALiBi per query head of the group (in parts: from the
+  part's first head), segment ids (the block table with one list per key tile), lengths."""
   with kernel_table(head_dim, _both(cfg)):
     mods_tests._check(mods_tests._CASES[name].with_base(head_dim=head_dim), seed,
                       interpret=True)

@@ -707,7 +707,8 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   mod_arrays = mod_arrays.transposed_pairs()
   if cfg.head_split:
     return head_split.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table,
-                          scale=scale, spec=spec, cfg=cfg, interpret=interpret, mods=mods)
+                          scale=scale, spec=spec, cfg=cfg, interpret=interpret, mods=mods,
+                          group_parts=group_parts(cfg, spec, q.shape, k.shape))
   passes = (("dv",), ("dk",)) if cfg.split_dkv else (("dk", "dv"),)
   grads = {}
   for outputs in passes:
@@ -745,7 +746,8 @@ def dqkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, *, scale: float,
   if cfg.head_split:
     dk, dv = head_split.dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
                             mod_arrays.transposed_pairs(), table, scale=scale, spec=spec,
-                            cfg=cfg, interpret=interpret, mods=mods, dq_acc=dq_acc)
+                            cfg=cfg, interpret=interpret, mods=mods, dq_acc=dq_acc,
+                            group_parts=group_parts(cfg, spec, q.shape, k.shape))
   else:
     dk, dv = _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths,
                        mod_arrays.transposed_pairs(), table, dq_acc, scale=scale, spec=spec,
@@ -761,7 +763,7 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, tab
   batch, q_len, heads_q, head_dim = q.shape
   kv_len, heads_kv = k.shape[1], k.shape[2]
   fused_dq = dq_acc is not None
-  parts = cfg.group_parts_for(heads_q // heads_kv, key_tile_blocks(spec, q_len, kv_len, cfg))
+  parts = group_parts(cfg, spec, q.shape, k.shape)
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
                              num_q_blocks=q_len // cfg.block_q,
                              groups=heads_q // heads_kv // parts, group_parts=parts,
@@ -776,10 +778,14 @@ def _dkv_call(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, tab
       grid_names=grid_names, what=f"the dK/dV kernel with {cfg}", reduces=False,
       interpret=interpret)(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table,
                            dq_acc)
-  if parts == 1:
-    return grads
-  return tuple(g.reshape(batch, kv_len, heads_kv, parts, head_dim).sum(3, dtype=jnp.float32)
-               .astype(k.dtype) for g in grads)
+  return tuple(common.sum_group_parts(g, parts) for g in grads)
+
+
+def group_parts(cfg: config_lib.KernelConfig, spec: mask_lib.MaskSpec, q_shape, k_shape) -> int:
+  """The CTAs the dK/dV kernel splits each kv head's query-head group over at these [B, T, Hq,
+  D] / [B, S, Hkv, D] shapes (`KernelConfig.group_parts_for` at the grid's key tiles)."""
+  (_, q_len, heads_q, _), (_, kv_len, heads_kv, _) = q_shape, k_shape
+  return cfg.group_parts_for(heads_q // heads_kv, key_tile_blocks(spec, q_len, kv_len, cfg))
 
 
 def key_tile_blocks(spec: mask_lib.MaskSpec, q_len: int, kv_len: int,

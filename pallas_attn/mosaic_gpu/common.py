@@ -297,6 +297,16 @@ def matmul_then_rescaled_acc(first, acc, acc_scale, lhs, rhs, *, after_issue, be
   return pl.run_scoped(issue, plgpu.ACC(first[2], jnp.float32))
 
 
+def sum_group_parts(part_sums: jax.Array, parts: int) -> jax.Array:
+  """[B, S, Hkv * parts, D] dK or dV partials of a dK/dV kernel whose query-head groups ran in
+  `parts` CTAs (kv head h's at h * parts + p) -> [B, S, Hkv, D], added in float32."""
+  if parts == 1:
+    return part_sums
+  batch, seq, heads, head_dim = part_sums.shape
+  return (part_sums.reshape(batch, seq, heads // parts, parts, head_dim)
+          .sum(3, dtype=jnp.float32).astype(part_sums.dtype))
+
+
 def reduce_add(part, smem, dest, partials: bool, pending: int = 0):
   """dest (a float32 global-memory ref) += part, by a TMA reduce-add from the shared-memory tile
   `smem` once the last reduce-add from it has read it: once at most `pending` of this thread's

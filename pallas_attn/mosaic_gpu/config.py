@@ -319,7 +319,7 @@ class KernelConfig:
   # causal 0.97x at N 512 (4.5 on average), 1.00-1.11x at 1024-8192 (benchmarks/NOTES.md
   # session 20; before the descriptors, session 15: 0.85-0.98x below N 4096).
   separate_dq_max_blocks: int = 0
-  # dK/dV only (not head_split): CTAs a kv head's query-head group is split over, each walking
+  # dK/dV only: CTAs a kv head's query-head group is split over, each walking
   # groups / group_parts of the group's heads and writing its own dK / dV partial sums (in k's
   # dtype, FlashAttention-2's per-head dK / dV at group_parts = groups) that one XLA fusion adds
   # up in float32 after the kernel (gcd(group_parts, groups) where the group does not divide:
@@ -331,12 +331,13 @@ class KernelConfig:
   # same kernel at 60.9 against 64.9% tensor-active, L2's load hit rate 82 against 95%, 4.4x the
   # DRAM bytes a FLOP; at 4 parts (one head a CTA) fwd+bwd 1.04-1.07x the whole group in two
   # tuner calls, 1.00-1.01x at N 4096 (benchmarks/NOTES.md session 40).
+  # The head split's dK/dV kernel (head_dim 256) takes the same layout (not measured yet).
   # 1: the whole group in one CTA, summed in registers (unless `group_split_min_blocks`).
   group_parts: int = 1
   # With group_parts 1: one query head a CTA (group_parts = the group) where the key tiles'
   # walks are skewed (causal) and visit at least this many query blocks on average; the
   # partials' bytes (the group's dK / dV written, read and added) weigh less the longer the walk.
-  # 0: never. (head_split's kernel walks the whole group: ignored.)
+  # 0: never.
   group_split_min_blocks: int = 0
 
   def group_parts_for(self, groups: int, key_tile_blocks=()) -> int:
@@ -422,8 +423,6 @@ class KernelConfig:
                        f"positive multiples of 64 (the wgmma tile height)")
     if self.group_parts < 1:
       raise ValueError(f"group_parts must be >= 1, got {self.group_parts}")
-    if self.group_parts > 1 and self.head_split:
-      raise ValueError("group_parts is a layout of the plain dK/dV kernel, not of head_split")
     if self.group_split_min_blocks < 0:
       raise ValueError(f"group_split_min_blocks must be >= 0, got {self.group_split_min_blocks}")
     if self.block_kv > 256:

@@ -76,12 +76,17 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
                 dpt_smem, staging, kv_full, q_full, do_full, lse_full, delta_full, slot_free,
                 dpt_full, dpt_free, pt_full, ds_full, ds_free, halves_written, *dq_smem,
                 spec: mask_lib.MaskSpec, scale: float, cfg: config_lib.KernelConfig,
-                num_q_blocks: int, groups: int, mods: mods_lib.KernelMods, dq_partials: bool):
+                num_q_blocks: int, groups: int, group_parts: int, mods: mods_lib.KernelMods,
+                dq_partials: bool):
   block_q, block_kv, stages = cfg.block_q, cfg.block_kv, cfg.stages
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
   batch = lax.axis_index("batch")
-  kv_head = lax.axis_index("heads")
+  # The grid's heads axis: (kv head, part of its group) with group parts (`bwd._dkv_call`'s
+  # layout), the CTA walking `groups` query heads from first_head on.
+  head_part = lax.axis_index("heads")
+  kv_head = head_part if group_parts == 1 else lax.div(head_part, group_parts)
+  first_head = head_part * groups
   wg = lax.axis_index("wg")
   q_length = q_len_ref[batch]
   kv_length = kv_len_ref[batch]
@@ -111,10 +116,11 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   common.produce_query_rows(
       wg, (q_ref, do_ref, lse_ref, delta_ref), (q_smem, do_smem, lse_smem, delta_smem),
       (q_full, do_full, lse_full, delta_full), slot_free, batch=batch,
-      first_head=kv_head * groups, groups=groups, per_head=per_head, block_of=block_of,
+      first_head=first_head, groups=groups, per_head=per_head, block_of=block_of,
       block_q=block_q, stages=stages, registers=cfg.producer_registers, do_free=do_free)
 
   rows = (batch, pl.ds(kv_start, block_kv), kv_head)
+  out_rows = (batch, pl.ds(kv_start, block_kv), head_part)  # (head_part = kv_head: parts 1)
   acc_shape = (block_kv, head_dim // 2)
   stage = staging[0].at[wg] if staging else None  # (the interpreter's register operands)
   if dq_acc_ref is not None:  # cfg.fused_dq
@@ -182,7 +188,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     """dQ[qi block, query head g of the group, parts[i]] += part, through this warpgroup's
     shared-memory tile i (a reduce-add still reading is from the other tile, if any), or its
     one tile (cfg.one_do_slot: once the last reduce-add from it has read it)."""
-    dest = dq_dest.at[batch, pl.ds(qi * block_q, block_q), kv_head * groups + g, parts[i]]
+    dest = dq_dest.at[batch, pl.ds(qi * block_q, block_q), first_head + g, parts[i]]
     tiles = dq_out_smem.shape[1]
     common.reduce_add(part, dq_out_smem.at[wg, i % tiles], dest, dq_partials,
                       pending=tiles - 1)
@@ -236,7 +242,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
 
     def step(slot, qi, g, acc, count, *, masked):
       dk, dv, *deferred = acc
-      scores = key_scores.for_head(kv_head * groups + g) if mods.per_head else key_scores
+      scores = key_scores.for_head(first_head + g) if mods.per_head else key_scores
       cols = scores.columns(qi, block_q, masked=masked)
       wait_filled(slot)
       st = common.matmul(k_smem.at[_one_tile(cfg)], q_smem.at[slot].T,  # S^T
@@ -271,7 +277,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
     send_deferred(deferred, count, half)
     _wait_unless_first(count, ds_free)  # warpgroup 1's last release (every phase has a waiter)
 
-    _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (k_smem.at[0], dk_ref), rows, half,
+    _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (k_smem.at[0], dk_ref), out_rows, half,
                   dtype, halves_written)
 
   @pl.when(wg == _DP)
@@ -329,7 +335,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
       send_deferred(deferred, count, half)
     _wait_unless_first(count, dpt_free)  # warpgroup 0's last read of dP^T
 
-    _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (v_smem.at[0], dv_ref), rows, half,
+    _store_halves(dk * scale, dv, k_smem.at[0], v_smem.at[0], (v_smem.at[0], dv_ref), out_rows, half,
                   dtype, halves_written)
 
 
@@ -433,13 +439,14 @@ def _store_halves(dk, dv, k_smem, v_smem, out_ref, rows, half, dtype, written):
 
 def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, *, scale: float,
         spec: mask_lib.MaskSpec, cfg: config_lib.KernelConfig, interpret: bool,
-        mods: mods_lib.KernelMods, dq_acc=None):
+        mods: mods_lib.KernelMods, dq_acc=None, group_parts: int = 1):
   """(dK, dV) [B, S, Hkv, D] in k.dtype, summed over each kv head's query-head group; arguments
   as in `bwd.dkv`, `mod_arrays` already transposed to [keys, queries], `table` from
   `block_table.key_major(..., rows_per_cta=1)` at (cfg.block_q, cfg.block_kv) or None.
   `dq_acc` (with cfg.fused_dq): the float32 ref the kernel adds the unscaled dQ into
   (`bwd.dqkv`): [B, T, Hq, D], or interpreted one partial per key tile, [S / block_kv, B, T,
-  Hq, D]."""
+  Hq, D]. `group_parts` (dividing the group): the CTAs each group is split over, as in
+  `bwd._dkv_call`."""
   if cfg.fused_dq != (dq_acc is not None):
     given = "given" if dq_acc is not None else "None"
     raise ValueError(f"the head-split dK/dV kernel takes dq_acc exactly when cfg.fused_dq, got "
@@ -448,16 +455,19 @@ def dkv(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table, *,
   kv_len, heads_kv = k.shape[1], k.shape[2]
   _check_head_dim(head_dim)
   kernel = functools.partial(_dkv_kernel, spec=spec, scale=scale, cfg=cfg,
-                             num_q_blocks=q_len // cfg.block_q, groups=heads_q // heads_kv,
+                             num_q_blocks=q_len // cfg.block_q,
+                             groups=heads_q // heads_kv // group_parts, group_parts=group_parts,
                              mods=mods, dq_partials=interpret)
-  grid, grid_names = cfg.grid(heads=heads_kv, tiles=kv_len // cfg.block_kv, batch=batch,
-                              tile_axis="kv_tiles")
-  return common.warp_specialized(
+  grid, grid_names = cfg.grid(heads=heads_kv * group_parts, tiles=kv_len // cfg.block_kv,
+                              batch=batch, tile_axis="kv_tiles")
+  part_sums = jax.ShapeDtypeStruct((batch, kv_len, heads_kv * group_parts, head_dim), k.dtype)
+  grads = common.warp_specialized(
       kernel, lambda interp: dkv_scratch_types(cfg, head_dim, q.dtype, interp),
-      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype),) * 2, grid=grid, grid_names=grid_names,
+      out_type=(part_sums,) * 2, grid=grid, grid_names=grid_names,
       what=f"the head-split dK/dV kernel with {cfg}", reduces=False,
       interpret=interpret)(q, k, v, d_out, lse, delta, q_lengths, kv_lengths, mod_arrays, table,
                            dq_acc)
+  return tuple(common.sum_group_parts(g, group_parts) for g in grads)
 
 
 def dkv_scratch_types(cfg: config_lib.KernelConfig, head_dim: int, dtype, interpret: bool) -> list:
