@@ -602,7 +602,7 @@ def test_dq_row_halves_is_checked(fields, message):
 
 
 def test_group_parts_is_checked():
-  """group_parts splits the plain dK/dV kernel's group, in parts that divide it."""
+  """group_parts splits the dK/dV kernel's group, in parts that divide it."""
   assert [_K(64, 64, group_parts=4).group_parts_for(g) for g in (1, 2, 4, 8, 6)] == [1, 2, 4, 4, 2]
   with pytest.raises(ValueError, match="group_parts must be >= 1"):
     _K(64, 64, group_parts=0)
@@ -676,6 +676,20 @@ def test_backward_fuses_dq_by_the_key_tiles_visits(head_dim, is_causal, window, 
     assert dkv_cfg.co_issue_dkv == static.dkv_cfg.co_issue_dkv
 
 
+def _lowered_backward(q, k, *, is_causal: bool, **cfgs) -> str:
+  """The text of `ops.attention`'s forward + backward at q / k's shapes (v like k; `cfgs`:
+  fwd_cfg, dq_cfg, dkv_cfg overrides), lowered for CUDA (the Pallas -> Mosaic GPU lowering the
+  interpreter does not run)."""
+
+  def loss(q, k, v):
+    out, _ = ops.attention(q, k, v, None, None, scale=0.1,
+                           spec=pallas_attn.MaskSpec(is_causal=is_causal), **cfgs)
+    return out.astype(jnp.float32).sum()
+
+  return jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
 @pytest.mark.parametrize("is_causal,seq,kernels", [(True, 1000, 3), (False, 300, 3),
                                                    (False, 1000, 2)])
 def test_short_rows_lower_the_separate_dq_kernel(is_causal, seq, kernels):
@@ -683,15 +697,7 @@ def test_short_rows_lower_the_separate_dq_kernel(is_causal, seq, kernels):
   300 rows (3 each), forward, dQ and dK/dV kernels; 1000 rows not causal (8 each), the forward
   and the dK/dV kernel that makes dQ."""
   q = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16)
-
-  def loss(q, k, v):
-    out, _ = ops.attention(q, k, v, None, None, scale=0.1,
-                           spec=pallas_attn.MaskSpec(is_causal=is_causal))
-    return out.astype(jnp.float32).sum()
-
-  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
-      lowering_platforms=("cuda",))
-  assert lowered.as_text().count("mosaic_gpu_v2") == kernels
+  assert _lowered_backward(q, q, is_causal=is_causal).count("mosaic_gpu_v2") == kernels
 
 
 def test_dq_lhs_in_registers_is_the_plain_dq_kernels():
@@ -744,18 +750,11 @@ def test_variant_kernels_lower_for_cuda(head_dim, configs):
   """The variants pass the Pallas -> Mosaic GPU lowering, which the interpreter does not run
   (and whose shared-memory check is the real one: block_kv 192 at head_dim 128 fits)."""
   q = jax.ShapeDtypeStruct((1, 300, 2, head_dim), jnp.bfloat16)
-  overrides = {f"{p}_cfg": cfg for p, cfg in configs.items()}
-
-  def loss(q, k, v):
-    out, _ = ops.attention(q, k, v, None, None, scale=0.1,
-                           spec=pallas_attn.MaskSpec(is_causal=True), **overrides)
-    return out.astype(jnp.float32).sum()
-
-  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(
-      lowering_platforms=("cuda",))
+  text = _lowered_backward(q, q, is_causal=True,
+                           **{f"{p}_cfg": cfg for p, cfg in configs.items()})
   fused_dq = configs.get("dkv", config_lib.kernel_config(head_dim, "dkv")).fused_dq
   # forward, dQ, dK/dV; or forward and dK/dV making dQ
-  assert lowered.as_text().count("mosaic_gpu_v2") >= (2 if fused_dq else 3)
+  assert text.count("mosaic_gpu_v2") >= (2 if fused_dq else 3)
 
 
 @pytest.mark.parametrize("head_dim,variant", [(128, "group_parts_2"), (64, "group_parts_4_d64")])
@@ -765,17 +764,10 @@ def test_group_parts_lower_for_cuda(head_dim, variant):
   q = jax.ShapeDtypeStruct((1, 300, 8, head_dim), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 300, 1, head_dim), jnp.bfloat16)
   dkv_cfg = _VARIANTS[variant]["dkv"]
-
-  def loss(q, k, v):
-    out, _ = ops.attention(q, k, v, None, None, scale=0.1,
-                           spec=pallas_attn.MaskSpec(is_causal=True), dkv_cfg=dkv_cfg)
-    return out.astype(jnp.float32).sum()
-
-  lowered = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
-      lowering_platforms=("cuda",))
+  text = _lowered_backward(q, k, is_causal=True, dkv_cfg=dkv_cfg)
   parts = dkv_cfg.group_parts_for(8)
   assert 1 < parts < 8
-  assert f"1x384x{parts}x{head_dim}xbf16" in lowered.as_text()  # (keys padded to 384)
+  assert f"1x384x{parts}x{head_dim}xbf16" in text  # (keys padded to 384)
 
 
 @pytest.mark.parametrize("is_causal", [True, False])
@@ -785,15 +777,7 @@ def test_group_split_lowers_one_head_a_cta(is_causal):
   group ([B, S, Hkv, D], which the kernel writes anyway)."""
   q = jax.ShapeDtypeStruct((1, 300, 8, 128), jnp.bfloat16)
   k = jax.ShapeDtypeStruct((1, 500, 2, 128), jnp.bfloat16)
-
-  def loss(q, k, v):
-    out, _ = ops.attention(q, k, v, None, None, scale=0.1,
-                           spec=pallas_attn.MaskSpec(is_causal=is_causal),
-                           dkv_cfg=_VARIANTS["group_split"]["dkv"])
-    return out.astype(jnp.float32).sum()
-
-  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, k, k).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = _lowered_backward(q, k, is_causal=is_causal, dkv_cfg=_VARIANTS["group_split"]["dkv"])
   assert ("1x512x8x128xbf16" in text) == is_causal  # (keys padded to 512)
   assert "1x512x2x128xbf16" in text
 
@@ -942,13 +926,7 @@ def test_smem_budget_counts_as_mosaic_gpu_does(monkeypatch):
   monkeypatch.setattr(mgpu_core, "_smem_tree_size", lambda t: counted.append(size(t)) or size(t))
   fwd_cfg, dq_cfg, dkv_cfg = _K(64, 192), _K(64, 128), _K(128, 64)
   q = jax.ShapeDtypeStruct((1, 300, 2, 128), jnp.bfloat16)
-
-  def loss(q, k, v):
-    out, _ = ops.attention(q, k, v, None, None, scale=0.1, spec=pallas_attn.MaskSpec(),
-                           fwd_cfg=fwd_cfg, dq_cfg=dq_cfg, dkv_cfg=dkv_cfg)
-    return out.astype(jnp.float32).sum()
-
-  jax.jit(jax.grad(loss, argnums=(0, 1, 2))).trace(q, q, q).lower(lowering_platforms=("cuda",))
+  _lowered_backward(q, q, is_causal=False, fwd_cfg=fwd_cfg, dq_cfg=dq_cfg, dkv_cfg=dkv_cfg)
   bf16 = jnp.bfloat16
   assert counted == [
       common.smem_bytes(fwd.scratch_types(fwd_cfg, 128, bf16, interpret=False)),  # no reserve

@@ -350,6 +350,15 @@ def query_head_position(groups: int):
   return lax.axis_index("batch"), head, lax.div(head, groups), lax.axis_index("wg")
 
 
+def key_tile_heads(groups: int, group_parts: int):
+  """(kv head, place on the grid's heads axis, first query head) of this thread of a dK/dV
+  kernel whose grid runs over (kv head, part of its group) with `group_parts` parts, each CTA
+  walking `groups` query heads (its dK / dV partials go to the heads-axis place)."""
+  head_part = lax.axis_index("heads")
+  kv_head = head_part if group_parts == 1 else lax.div(head_part, group_parts)
+  return kv_head, head_part, head_part * groups
+
+
 def key_tile_query_ranges(spec: mask_lib.MaskSpec, kv_start, block_kv: int, block_q: int,
                           num_q_blocks: int, q_length, kv_length, within=None):
   """(lo, full_lo, full_hi, hi): the query blocks [lo, hi) that may see a key of the tile

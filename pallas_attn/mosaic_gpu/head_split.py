@@ -82,11 +82,7 @@ def _dkv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, q_len_ref, kv_l
   head_dim = q_ref.shape[-1]
   dtype = q_ref.dtype
   batch = lax.axis_index("batch")
-  # The grid's heads axis: (kv head, part of its group) with group parts (`bwd._dkv_call`'s
-  # layout), the CTA walking `groups` query heads from first_head on.
-  head_part = lax.axis_index("heads")
-  kv_head = head_part if group_parts == 1 else lax.div(head_part, group_parts)
-  first_head = head_part * groups
+  kv_head, head_part, first_head = common.key_tile_heads(groups, group_parts)
   wg = lax.axis_index("wg")
   q_length = q_len_ref[batch]
   kv_length = kv_len_ref[batch]
