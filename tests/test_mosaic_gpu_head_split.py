@@ -69,6 +69,16 @@ def _no_race():
 # CPU: the interpreter.
 
 _CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_203x203")
+# The group in parts: causal MQA's 4 heads in 2 CTAs of 2 (the fused dQ's head and the carried
+# part's from the part's first head), a group of 2 with key lengths one head a CTA (the separate
+# kernels), and the rule splitting a causal group of 2 with lengths (its key tiles visit 3.5
+# query blocks on average; 113 x 203's 0.75 would not split). Interpreted and on the GPU.
+_PARTS = [
+    (DEFERRED_PARTS, cases.get_case("mqa_causal_203x113").replace(head_dim=256)),
+    (HEAD_SPLIT_PARTS, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    (DEFERRED_SPLIT, _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
+]
+
 _INTERPRETED = [
     # Several query blocks per key tile on both sides of the diagonal.
     (HEAD_SPLIT, _CAUSAL_203.replace(head_dim=256)),
@@ -101,13 +111,7 @@ _INTERPRETED = [
     (DEFERRED, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
     (dataclasses.replace(FUSED, defer_last_dq_part=True),
      cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
-    # The group in parts: causal MQA's 4 heads in 2 CTAs of 2 (the fused dQ's head and the
-    # carried part's from the part's first head), a group of 2 with key lengths one head a CTA
-    # (the separate kernels), and the rule splitting a causal group of 2 with lengths (its key
-    # tiles visit 3.5 query blocks on average; 113 x 203's 0.75 would not split).
-    (DEFERRED_PARTS, cases.get_case("mqa_causal_203x113").replace(head_dim=256)),
-    (HEAD_SPLIT_PARTS, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
-    (DEFERRED_SPLIT, _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
+    *_PARTS,
 ]
 
 
@@ -276,6 +280,18 @@ def test_fused_head_split_needs_its_stage():
               cases.get_case("gqa_causal_window_lengths_1000x1000"),
               cases.get_case("gqa_causal_lengths_113x203"))])
 def test_gpu_head_split_matches_reference(case, cfg, seed):
+  with kernel_table(case.head_dim, _both(cfg)):
+    _poison_allocator(64 << 20)
+    cases.check_case(case, "mosaic_gpu", seed=seed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cfg,case", [
+    pytest.param(cfg, c.replace(dtype=cases.BF16, head_dim=d), id=f"{name}-{c.name}-d{d}")
+    for (cfg, c), name in zip(_PARTS, ("deferred_parts2", "split_parts2", "deferred_rule"))
+    for d in (256, 128)])
+def test_gpu_head_split_in_parts(cfg, case, seed):
+  """The group over several CTAs (their dK / dV partials summed) at both head dims."""
   with kernel_table(case.head_dim, _both(cfg)):
     _poison_allocator(64 << 20)
     cases.check_case(case, "mosaic_gpu", seed=seed)
