@@ -73,11 +73,13 @@ _CAUSAL_203 = cases.get_case("causal_113x203").replace(q_len=203, name="causal_2
 # part's from the part's first head), a group of 2 with key lengths one head a CTA (the separate
 # kernels), and the rule splitting a causal group of 2 with lengths (its key tiles visit 3.5
 # query blocks on average; 113 x 203's 0.75 would not split). Interpreted and on the GPU.
-_PARTS = [
-    (DEFERRED_PARTS, cases.get_case("mqa_causal_203x113").replace(head_dim=256)),
-    (HEAD_SPLIT_PARTS, cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
-    (DEFERRED_SPLIT, _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
-]
+_PARTS = {
+    "deferred_parts2": (DEFERRED_PARTS,
+                        cases.get_case("mqa_causal_203x113").replace(head_dim=256)),
+    "split_parts2": (HEAD_SPLIT_PARTS,
+                     cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=128)),
+    "deferred_rule": (DEFERRED_SPLIT, _GQA_CAUSAL_LENGTHS_330.replace(head_dim=128)),
+}
 
 _INTERPRETED = [
     # Several query blocks per key tile on both sides of the diagonal.
@@ -111,7 +113,7 @@ _INTERPRETED = [
     (DEFERRED, cases.get_case("lengths_kv0_113x203").replace(head_dim=256)),
     (dataclasses.replace(FUSED, defer_last_dq_part=True),
      cases.get_case("gqa_causal_lengths_113x203").replace(head_dim=256)),
-    *_PARTS,
+    *_PARTS.values(),
 ]
 
 
@@ -288,7 +290,7 @@ def test_gpu_head_split_matches_reference(case, cfg, seed):
 @pytest.mark.gpu
 @pytest.mark.parametrize("cfg,case", [
     pytest.param(cfg, c.replace(dtype=cases.BF16, head_dim=d), id=f"{name}-{c.name}-d{d}")
-    for (cfg, c), name in zip(_PARTS, ("deferred_parts2", "split_parts2", "deferred_rule"))
+    for name, (cfg, c) in _PARTS.items()
     for d in (256, 128)])
 def test_gpu_head_split_in_parts(cfg, case, seed):
   """The group over several CTAs (their dK / dV partials summed) at both head dims."""
