@@ -27,6 +27,13 @@ def test_bottom_right_alignment_matches_reference(case, seed):
   cases.check_case(case, "blocked_jax", seed=seed)
 
 
+# Random combinations of the position masks (`cases.random_case`), the dtypes in turn.
+@pytest.mark.parametrize("case", [cases.random_case(i, (8, 16, 40, 64), cases.ALL_DTYPES)
+                                  for i in range(10)], ids=lambda case: case.id)
+def test_blocked_jax_random_cases(case, seed):
+  cases.check_case(case, "blocked_jax", seed=seed)
+
+
 # Block sizes that do not divide the lengths and differ between q and kv: many partial tiles,
 # skipped tiles (causal/window) and tiles that straddle the window edges and the kv lengths.
 _BLOCK_CASES = [
