@@ -63,18 +63,20 @@ def finalize_empty_rows(out: jax.Array, lse: jax.Array, value: jax.Array,
   value: [batch, kv_len, heads_kv, head_dim]. Differentiable: the mean of `value` carries the
   gradient jax.nn gives a fully masked row (dv = do / kv_len on every key, no dq, no dk).
   """
-  batch, q_len, heads_q, head_dim = out.shape
+  batch, q_len, heads_q, _ = out.shape
   heads_kv = value.shape[2]
   empty = jax.lax.stop_gradient(lse == EMPTY_LSE)  # [batch, heads_q, q_len]
   mean_v = value.astype(jnp.float32).mean(axis=1)  # [batch, heads_kv, head_dim]
-  # Broadcast over the rows and the group's query heads (query head h reads kv head h // group)
-  # in float32 and only then cast: the cotangent's transpose, dv's share of the empty rows (a
-  # sum of d_out over every such row), then adds in float32; summed in the output's bf16 / f16
-  # its rounding exceeded the whole backward's where most rows are empty.
-  mean_v = jnp.broadcast_to(mean_v[:, None, :, None, :],
-                            (batch, q_len, heads_kv, heads_q // heads_kv, head_dim))
-  mean_v = mean_v.reshape(out.shape).astype(out.dtype)
-  out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], mean_v, out)
+  # [batch, 1, heads_q, head_dim]: query head h reads kv head h // group.
+  mean_v = jnp.repeat(mean_v, heads_q // heads_kv, axis=1)[:, None]
+  # Selected in float32 and only then cast (one fused elementwise pass; the output's values
+  # round-trip exactly): the transpose of the broadcast over the rows, dv's share of the empty
+  # rows (a sum of d_out over every such row), then adds in float32. Summed in the output's bf16 /
+  # f16, its rounding exceeded the whole backward's where most rows are empty. (The broadcast
+  # stays implicit in the select: an explicit [batch, q_len, ...] one is replicated under
+  # explicit sharding, and its cotangent was all-gathered on a sequence-sharded ring.)
+  out = jnp.where(jnp.swapaxes(empty, 1, 2)[..., None], mean_v,
+                  out.astype(jnp.float32)).astype(out.dtype)
   lse = jnp.where(empty, MASK_VALUE, lse)
   if q_lengths is not None:
     row_valid = jnp.arange(q_len)[None, :] < q_lengths[:, None]
