@@ -334,6 +334,7 @@ VARIANTS: dict[str, dict[str, dict]] = {
     # and the rule where the table has none (head_dim 64, 256's head split; session 40).
     "dkv_group_whole": {"dkv": dict(group_split_min_blocks=0)},
     "dkv_group_split48": {"dkv": dict(group_split_min_blocks=48)},
+    "dkv_group_split16": {"dkv": dict(group_split_min_blocks=16)},
     # head_dim 128's dQ kernel over 128-key blocks (wgmma N 128 for S and dP: a sixth fewer
     # shared-memory bytes per FLOP than N 64, whose operand reads alone fill the 128 B a clock).
     "dq_kv128_regs240": {"dq": dict(block_kv=128, compute_registers=240)},

@@ -331,7 +331,8 @@ class KernelConfig:
   # same kernel at 60.9 against 64.9% tensor-active, L2's load hit rate 82 against 95%, 4.4x the
   # DRAM bytes a FLOP; at 4 parts (one head a CTA) fwd+bwd 1.04-1.07x the whole group in two
   # tuner calls, 1.00-1.01x at N 4096 (benchmarks/NOTES.md session 40).
-  # The head split's dK/dV kernel (head_dim 256) takes the same layout (not measured yet).
+  # The head split's dK/dV kernel (head_dim 256) takes the same layout: H100, causal 16 / 4 and
+  # 16 / 8 heads at N 8192 / 16384, one head a CTA fwd+bwd 1.12-1.23x the whole group (session 43).
   # 1: the whole group in one CTA, summed in registers (unless `group_split_min_blocks`).
   group_parts: int = 1
   # With group_parts 1: one query head a CTA (group_parts = the group) where the key tiles'
@@ -690,10 +691,14 @@ DEFAULTS: dict[tuple[int, str], KernelConfig] = {
     # tiles visit at most 16 query blocks on average (N 512 and 1024, causal or not) the
     # separate kernels (`backward_configs`; H100, N 1024: 1.10 / 1.08x the fused kernel in a
     # tuner run, 1.09 / 1.07x in a sweep; N 512 1.27x; session 35).
+    # GQA: causal walks of at least 48 query blocks on average (N >= 8192) one query head a CTA
+    # (`group_split_min_blocks`). H100, fwd+bwd over the whole group a CTA in one tuner call:
+    # 16 / 4 heads 1.23 / 1.18x at N 8192 / 16384, 16 / 8 1.14 / 1.12x; two parts of the group
+    # 1.03-1.12x (session 43).
     (256, "dkv"): KernelConfig(block_q=64, block_kv=64, head_split=True, fused_dq=True,
                                one_do_slot=True, defer_last_dq_part=True, compute_registers=240,
                                tile_descriptors_in_step=True, separate_dq_max_blocks=16,
-                               separate_dq_max_blocks_skewed=16),
+                               separate_dq_max_blocks_skewed=16, group_split_min_blocks=48),
 }
 
 
