@@ -169,10 +169,10 @@ PRESETS = {
     "gqa_split_d256": lambda: ([Shape(TOKENS // s, s, s, 16, kv, 256, True, "gqa")
                                 for s in (8192, 16384) for kv in (4, 8)]
                                + [Shape(1, 16384, 16384, 16, 16, 256, True, "gqa")]),
-    # The d256 split below its threshold: causal groups of 4 and 2 at N 2048 / 4096, and a group
+    # The d256 split below its threshold: causal groups of 4 and 2 at N 4096 / 2048, and a group
     # of 4 with no mask at N 16384 (no skew: only `group_parts` splits it).
     "gqa_split_d256_short": lambda: ([Shape(TOKENS // s, s, s, 16, kv, 256, True, "gqa")
-                                      for s in (2048, 4096) for kv in (4, 8)]
+                                      for s in (4096, 2048) for kv in (4, 8)]
                                      + [Shape(1, 16384, 16384, 16, 4, 256, False, "gqa")]),
     "decode": decode,
     "masked": masked,
